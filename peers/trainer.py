@@ -1,0 +1,61 @@
+"""``swarm train``: push micro-batches through the swarm, report loss and speed as it goes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from typing import Optional, Sequence
+
+from peers._common import emit, fail, setup_logging, stop_event
+from swarm.config import TrainerConfig
+from swarm.configuration import parse_role_config
+
+logger = logging.getLogger("swarm.trainer")
+
+
+def _progress_line(trainer) -> str:
+    m = trainer.metrics
+    loss = m.recent_loss()
+    return (f"samples {m.samples_sent:>8}  loss {loss if loss is None else f'{loss:.4f}'}  "
+            f"{m.samples_per_s:7.1f} samples/s  {m.samples_per_s * trainer.run.model.seq_len:9.0f} tokens/s  "
+            f"failed {m.micro_batches_failed}  resent {trainer.ledger.num_resent}")
+
+
+def report(trainer) -> None:
+    """A progress bar on a terminal, plain log lines otherwise."""
+    if sys.stderr.isatty():
+        print("\r" + _progress_line(trainer), end="", file=sys.stderr, flush=True)
+    else:
+        logger.info(_progress_line(trainer))
+
+
+async def train(config: TrainerConfig) -> int:
+    from swarm.client.trainer import Trainer
+
+    stop = stop_event()
+    trainer = Trainer(config)
+    try:
+        await trainer.start()
+        emit("trainer_ready", trainer_id=trainer.trainer_id)
+        training = asyncio.create_task(trainer.train(on_progress=report))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not training.done():
+            training.cancel()
+        drained = await trainer.drain(timeout_s=30.0)
+        m = trainer.metrics
+        emit("trainer_done", trainer_id=trainer.trainer_id, samples_sent=m.samples_sent, loss=m.recent_loss(),
+             failed=m.micro_batches_failed, resent=trainer.ledger.num_resent, drained=drained)
+        return 0
+    finally:
+        trainer.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    config = parse_role_config(TrainerConfig, argv, "swarm train", "Train a model on a swarm of stage peers.")
+    setup_logging()
+    try:
+        return asyncio.run(train(config))
+    except (RuntimeError, OSError, ValueError) as e:
+        return fail(str(e))

@@ -1,0 +1,1 @@
+"""The trainer side: push micro-batches through the swarm and account for every sample."""

@@ -1,0 +1,211 @@
+"""A trainer: draws micro-batches, keeps several in flight through the swarm, accounts for them.
+
+Runs in one asyncio loop: ``max_in_flight`` workers each push micro-batches through
+:class:`PipelineClient`; a refresher reads the swarm's records from the DHT every
+``refresh_period_s``, feeds the router, and re-sends contributions the ledger says were lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind import DHT
+from hivemind.utils import get_logger
+
+from swarm import PROTOCOL_VERSION
+from swarm.client.ledger import Ledger
+from swarm.client.pipeline import PipelineClient, StageUnavailable
+from swarm.config import TrainerConfig
+from swarm.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
+from swarm.dht_io import fetch_records, store_record
+from swarm.policy.routing import Router
+from swarm.policy.snapshot import PeerInfo
+from swarm.records import PeerRecord, TrainerRecord, peers_key, to_peer_infos, trainers_key
+from swarm.rpc import RemoteError
+from swarm.server.peer import start_dht
+
+__all__ = ["Trainer", "TrainerMetrics", "load_trainer_corpus"]
+
+logger = get_logger(__name__)
+
+
+def load_trainer_corpus(config: TrainerConfig) -> Corpus:
+    max_bytes = None if config.max_data_mb is None else int(config.max_data_mb * 2**20)
+    if config.hf_dataset:
+        return load_hf_dataset(config.hf_dataset, max_bytes=max_bytes)
+    return load_corpus(config.data or None, max_bytes=max_bytes)
+
+
+@dataclass
+class TrainerMetrics:
+    """What a trainer has done so far; ``losses`` holds (samples sent so far, micro-batch loss)."""
+
+    samples_sent: int = 0
+    micro_batches_failed: int = 0
+    losses: List[Tuple[int, float]] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
+    _window: List[Tuple[float, int]] = field(default_factory=list)
+
+    def record(self, samples: int, loss: float) -> None:
+        self.samples_sent += samples
+        self.losses.append((self.samples_sent, loss))
+        now = time.monotonic()
+        self._window.append((now, self.samples_sent))
+        while len(self._window) > 2 and now - self._window[0][0] > 30.0:
+            self._window.pop(0)
+
+    @property
+    def samples_per_s(self) -> float:
+        if len(self._window) < 2:
+            return 0.0
+        (t0, s0), (t1, s1) = self._window[0], self._window[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def recent_loss(self, count: int = 20) -> Optional[float]:
+        recent = [loss for _, loss in self.losses[-count:]]
+        return sum(recent) / len(recent) if recent else None
+
+
+class Trainer:
+    """Use ``await start()``, then ``await train()``, ``await drain()``, and ``shutdown()``."""
+
+    def __init__(self, config: TrainerConfig, dht: Optional[DHT] = None, corpus: Optional[Corpus] = None):
+        self.config, self.run = config, config.run
+        self.dht, self.corpus = dht, corpus
+        self.metrics = TrainerMetrics()
+        self.ledger = Ledger()
+        self.records: Dict[str, PeerRecord] = {}
+        self._snapshot: Tuple[PeerInfo, ...] = ()
+        self._refresh_now = asyncio.Event()
+        self._resending: set = set()
+        self._tasks: List[asyncio.Task] = []
+        self._ids = itertools.count()
+
+    @property
+    def trainer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    async def start(self) -> None:
+        if self.dht is None:
+            self.dht = start_dht(self.config.network, client_mode=False)
+        if self.corpus is None:
+            self.corpus = await asyncio.get_running_loop().run_in_executor(None, load_trainer_corpus, self.config)
+        self.sampler = BatchSampler(self.corpus.train, self.run.model.seq_len, self.config.batch_size,
+                                    seed=self.config.trainer_seed)
+        p2p = await self.dht.replicate_p2p()
+        self.client = PipelineClient(
+            p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed), self.ledger,
+            forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
+            max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set)
+        await self.refresh()
+        self._tasks.append(asyncio.create_task(self._refresh_loop()))
+
+    async def refresh(self) -> None:
+        """Read the swarm's peers from the DHT; queue re-sends of contributions that were lost."""
+        self.records = await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord,
+                                           timeout=self.config.refresh_period_s * 5)
+        self._snapshot = to_peer_infos(self.records, self.run.num_stages)
+        for item in self.ledger.resolve(self.records):
+            key = (item.micro_batch_id, item.stage)
+            if key not in self._resending:
+                self._resending.add(key)
+                asyncio.create_task(self._resend(item, key))
+
+    async def _resend(self, item, key) -> None:
+        try:
+            await self.client.backward(item, resend=True)
+            logger.info(f"re-sent {item.micro_batch_id} ({item.samples} samples) to stage {item.stage}")
+        except (StageUnavailable, RemoteError, Exception) as e:
+            logger.warning(f"re-sending {item.micro_batch_id} to stage {item.stage} failed, will retry: {e}")
+        finally:
+            self._resending.discard(key)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._refresh_now.wait(), self.config.refresh_period_s)
+            except asyncio.TimeoutError:
+                pass
+            self._refresh_now.clear()
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("refreshing the swarm snapshot failed")
+
+    def _done(self, deadline: float) -> bool:
+        max_samples = self.config.max_samples
+        return (max_samples is not None and self._reserved >= max_samples) or time.monotonic() >= deadline
+
+    async def train(self, on_progress: Optional[Callable[["Trainer"], None]] = None) -> TrainerMetrics:
+        """Train until max_samples were sent or duration_s passed; returns the metrics."""
+        self._reserved = 0
+        deadline = time.monotonic() + (self.config.duration_s if self.config.duration_s is not None else math.inf)
+        reporter = asyncio.create_task(self._report_loop(on_progress))
+        try:
+            await asyncio.gather(*(self._worker(deadline) for _ in range(self.config.max_in_flight)))
+        finally:
+            reporter.cancel()
+        await self._publish()
+        return self.metrics
+
+    async def _worker(self, deadline: float) -> None:
+        while not self._done(deadline):
+            batch = self.config.batch_size
+            if self.config.max_samples is not None:
+                batch = min(batch, self.config.max_samples - self._reserved)
+            self._reserved += batch
+            inputs, targets = self.sampler.sample()
+            inputs, targets = inputs[:batch], targets[:batch]
+            micro_batch_id = f"{self.trainer_id}:{next(self._ids)}"
+            try:
+                loss = await self.client.train_step(micro_batch_id, inputs, targets)
+                self.metrics.record(batch, loss)
+            except (StageUnavailable, RemoteError) as e:
+                self._reserved -= batch
+                self.metrics.micro_batches_failed += 1
+                logger.warning(f"micro-batch {micro_batch_id} failed: {e}")
+                await asyncio.sleep(1.0)
+
+    async def _report_loop(self, on_progress: Optional[Callable[["Trainer"], None]]) -> None:
+        while True:
+            await asyncio.sleep(self.config.log_period_s)
+            if on_progress is not None:
+                on_progress(self)
+            await self._publish()
+
+    async def _publish(self) -> None:
+        loss = self.metrics.recent_loss()
+        record = TrainerRecord(
+            version=PROTOCOL_VERSION, trainer_id=self.trainer_id, samples_sent=self.metrics.samples_sent,
+            loss=loss if loss is not None and math.isfinite(loss) else None, samples_per_s=self.metrics.samples_per_s,
+            tokens_per_s=self.metrics.samples_per_s * self.run.model.seq_len)
+        await store_record(self.dht, trainers_key(self.run.run_id), self.trainer_id, record,
+                           expiration_s=max(30.0, 3 * self.config.log_period_s))
+
+    async def evaluate(self, num_batches: int = 4, batch_size: int = 16) -> float:
+        """Validation loss through the swarm (forward only), on a fixed set of held-out windows."""
+        batches = validation_batches(self.corpus.validation, self.run.model.seq_len, batch_size, num_batches)
+        losses = [await self.client.evaluate(inputs, targets) for inputs, targets in batches]
+        return sum(losses) / len(losses)
+
+    async def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until nothing needs re-sending: every contribution is committed or pending at a live replica."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await self.refresh()
+            if not self._resending and not self.ledger.resolve(self.records) and self.ledger.all_held(self.records):
+                return True
+            await asyncio.sleep(self.config.refresh_period_s)
+        return False
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.dht is not None and self.dht.is_alive():
+            self.dht.shutdown()

@@ -1,0 +1,140 @@
+"""Config dataclasses of the swarm's roles: the run they join, the network, a peer, a trainer.
+
+One dataclass per role; the CLI maps each leaf field 1:1 onto a flag (see
+:mod:`swarm.configuration`), YAML files mirror the nesting. Comments after fields are their
+help text and carry units. Defaults work on loopback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+from swarm.local_training import OptimizerConfig
+from swarm.model import ModelConfig
+from swarm.policy.rebalance import RebalanceConfig
+from swarm.records import validate_run_id
+
+__all__ = ["RunConfig", "NetworkConfig", "PeerConfig", "TrainerConfig", "BootstrapConfig"]
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}")
+
+
+@dataclass
+class RunConfig:
+    """What every peer and trainer of one training run must agree on."""
+
+    run_id: str = "swarm_demo"  # names the run in the DHT; letters, digits, '_' and '-'
+    num_stages: int = 2  # pipeline stages the model is cut into
+    seed: int = 0  # replicas of stage k initialise from (seed, k)
+    target_batch_size: int = 256  # samples per global step, summed over all trainers
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
+        if self.num_stages > self.model.num_layers:
+            raise ValueError(f"num_stages ({self.num_stages}) cannot exceed num_layers ({self.model.num_layers})")
+        if not isinstance(self.target_batch_size, int) or self.target_batch_size < 1:
+            raise ValueError(f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
+
+
+@dataclass
+class NetworkConfig:
+    """How a process joins the DHT."""
+
+    initial_peers: List[str] = field(default_factory=list)  # multiaddrs of any live peers; empty = start a new swarm
+    host_maddrs: List[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])  # where to listen; use /ip4/0.0.0.0/tcp/PORT to be reachable
+    announce_maddrs: List[str] = field(default_factory=list)  # public addresses to announce, if behind NAT
+    identity_path: Optional[str] = None  # private key file: a fixed peer id across restarts
+    startup_timeout_s: float = 30.0  # seconds to wait for the DHT to start
+
+    def __post_init__(self) -> None:
+        _positive("startup_timeout_s", self.startup_timeout_s)
+        if not self.host_maddrs:
+            raise ValueError("host_maddrs must name at least one address to listen on")
+
+
+@dataclass
+class PeerConfig:
+    """A stage server: holds one stage, serves forward/backward, averages with its replicas."""
+
+    stage: Union[int, str] = "auto"  # stage index to serve, or 'auto' for the stage that needs capacity most
+    device: str = "cpu"  # torch device for the stage, e.g. cpu or cuda:0
+    num_threads: int = 1  # torch intra-op threads for this peer
+    announce_period_s: float = 1.0  # seconds between DHT announcements
+    expiration_s: float = 6.0  # seconds a DHT record outlives its announcement: how fast a dead peer vanishes
+    poll_period_s: float = 0.25  # seconds between checks of the stage's progress towards the global batch
+    matchmaking_time_s: float = 2.0  # seconds replicas wait to form an all-reduce group
+    averaging_timeout_s: float = 30.0  # seconds one all-reduce round may take
+    state_download_timeout_s: float = 60.0  # seconds to download a stage's state from a replica
+    max_batch_samples: int = 512  # largest request (samples) this peer accepts
+    max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
+    leave_timeout_s: float = 10.0  # seconds a leaving peer waits for in-flight requests (SIGTERM)
+    checkpoint_dir: Optional[str] = None  # where to checkpoint the stage's state; None = no checkpoints
+    checkpoint_period_s: float = 30.0  # seconds between checkpoints
+    rebalance: bool = False  # move to the bottleneck stage when the policy says so
+    rebalance_policy: RebalanceConfig = field(default_factory=RebalanceConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, str) and self.stage != "auto":
+            if not self.stage.isdigit():
+                raise ValueError(f"stage must be an integer or 'auto', got {self.stage!r}")
+            self.stage = int(self.stage)
+        if isinstance(self.stage, int) and not 0 <= self.stage < self.run.num_stages:
+            raise ValueError(f"stage must be in 0..{self.run.num_stages - 1} for a {self.run.num_stages}-stage run, got {self.stage}")
+        for name in ("announce_period_s", "poll_period_s", "matchmaking_time_s", "averaging_timeout_s",
+                     "state_download_timeout_s", "max_message_mb", "leave_timeout_s", "checkpoint_period_s"):
+            _positive(name, getattr(self, name))
+        if self.expiration_s < 2 * self.announce_period_s:
+            raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
+        if self.max_batch_samples < 1 or self.num_threads < 1:
+            raise ValueError("max_batch_samples and num_threads must be at least 1")
+
+
+@dataclass
+class TrainerConfig:
+    """A trainer: draws micro-batches and pushes them through the swarm."""
+
+    batch_size: int = 8  # samples per micro-batch
+    max_in_flight: int = 4  # micro-batches in the pipeline at once
+    max_samples: Optional[int] = None  # stop after sending this many samples; None = no limit
+    duration_s: Optional[float] = None  # stop after this many seconds; None = no limit
+    trainer_seed: int = 1  # seeds which samples this trainer draws; give each trainer its own
+    data: List[str] = field(default_factory=list)  # text/JSONL files or directories; empty = Python's stdlib sources
+    hf_dataset: Optional[str] = None  # a Hugging Face dataset name or local file (needs the 'hf' extra)
+    max_data_mb: Optional[float] = None  # read at most this much of the corpus (MiB)
+    forward_timeout_s: float = 30.0  # seconds one forward call may take
+    backward_timeout_s: float = 60.0  # seconds one backward call may take
+    max_retries: int = 8  # attempts per stage call before the micro-batch fails
+    refresh_period_s: float = 1.0  # seconds between DHT snapshots of the swarm
+    log_period_s: float = 5.0  # seconds between progress lines
+    max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
+    run: RunConfig = field(default_factory=RunConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "max_in_flight", "max_retries", "max_uncommitted"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("forward_timeout_s", "backward_timeout_s", "refresh_period_s", "log_period_s"):
+            _positive(name, getattr(self, name))
+        if self.max_samples is not None and self.max_samples < 1:
+            raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
+        if self.duration_s is not None:
+            _positive("duration_s", self.duration_s)
+
+
+@dataclass
+class BootstrapConfig:
+    """A DHT-only entry point that others list in their initial_peers."""
+
+    maddrs_file: Optional[str] = None  # write this peer's multiaddrs here once it is up
+    network: NetworkConfig = field(default_factory=NetworkConfig)

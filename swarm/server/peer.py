@@ -1,0 +1,289 @@
+"""A stage peer: joins the DHT, serves one stage's forward/backward, steps with its replicas.
+
+Threads and processes: the asyncio loop of the peer's main thread runs the RPC handlers, the
+DHT announcer and the step coordinator; all torch work runs on one compute thread (so requests
+queue instead of competing for cores); the DHT and the averager are hivemind's own processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional
+
+from hivemind import DHT
+from hivemind.utils import get_logger
+
+from swarm import PROTOCOL_VERSION
+from swarm.config import PeerConfig
+from swarm.dht_io import fetch_records, store_record
+from swarm.policy.rebalance import choose_stage_for_new_peer
+from swarm.records import PeerRecord, peers_key, to_peer_infos
+from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
+from swarm.server.averaging import StageAverager
+from swarm.server.runner import StageRunner
+
+__all__ = ["StagePeer", "start_dht"]
+
+logger = get_logger(__name__)
+CONTRIBUTOR_HISTORY = 64  # completed steps whose group members a peer keeps announcing
+
+
+def start_dht(network, client_mode: bool = False) -> DHT:
+    return DHT(
+        initial_peers=network.initial_peers, host_maddrs=network.host_maddrs,
+        announce_maddrs=network.announce_maddrs or None, identity_path=network.identity_path,
+        client_mode=client_mode, start=True, startup_timeout=network.startup_timeout_s,
+    )
+
+
+class StagePeer:
+    """One replica of one stage. Use ``await start()``, then ``await leave()`` (or ``shutdown()``)."""
+
+    def __init__(self, config: PeerConfig, dht: Optional[DHT] = None):
+        self.config, self.run = config, config.run
+        self.dht = dht
+        self.state = "joining"
+        self.stage: Optional[int] = None
+        self.runner: Optional[StageRunner] = None
+        self.averager: Optional[StageAverager] = None
+        self.contributors: Dict[int, List[str]] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
+        self._queued = 0
+        self._in_flight = 0
+        self._tasks: List[asyncio.Task] = []
+        self._stopping = asyncio.Event()
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
+    # ---- lifecycle ----
+
+    async def start(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.config.num_threads)
+        if self.dht is None:
+            self.dht = start_dht(self.config.network)
+        self.stage = await self._choose_stage()
+        self.runner = StageRunner(self.run, self.stage, self.config.device)
+        self.averager = self._make_averager()
+        await self._announce()
+        await self._join_stage()
+        p2p = await self.dht.replicate_p2p()
+        handlers = {"forward": self._rpc_forward, "backward": self._rpc_backward, "info": self._rpc_info,
+                    "parameters": self._rpc_parameters}
+        self.servicer = RPCServicer(handlers, max_message_bytes=int(self.config.max_message_mb * 2**20))
+        await self.servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
+        self.state = "online"
+        await self._announce()
+        self._tasks = [asyncio.create_task(self._announce_loop()), asyncio.create_task(self._coordinate_loop())]
+        logger.info(f"peer {self.peer_id} serves stage {self.stage} of run {self.run.run_id} at step {self.runner.step}")
+
+    async def _choose_stage(self) -> int:
+        if self.config.stage != "auto":
+            return int(self.config.stage)
+        snapshot = to_peer_infos(await self._peer_records(), self.run.num_stages)
+        return choose_stage_for_new_peer(snapshot, self.run.num_stages)
+
+    def _make_averager(self) -> StageAverager:
+        return StageAverager(
+            self.runner.params, self._shared_state, dht=self.dht, start=True,
+            prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
+            min_matchmaking_time=self.config.matchmaking_time_s, request_timeout=self.config.matchmaking_time_s / 2,
+            allreduce_timeout=self.config.averaging_timeout_s, allow_state_sharing=False,
+            declare_state_period=self.config.announce_period_s * 2, initial_group_bits="0" * 16,
+        )
+
+    def _shared_state(self):
+        return self.runner.state_metadata(), self.runner.state_tensors()
+
+    async def _join_stage(self) -> None:
+        """Download the stage's state from live replicas before serving; a lone first replica keeps its init."""
+        others = [r for r in (await self._stage_records()).values() if r.state == "online" and r.peer_id != self.peer_id]
+        if others and not await self._download_state():
+            raise RuntimeError(f"could not download stage {self.stage} state from any of {len(others)} replicas")
+        self.averager.allow_state_sharing = True
+
+    async def _download_state(self) -> bool:
+        deadline = time.monotonic() + self.config.state_download_timeout_s
+        while time.monotonic() < deadline:
+            future = self.averager.load_state_from_peers(wait=False, timeout=self.config.state_download_timeout_s)
+            try:
+                loaded = await asyncio.wait_for(future, timeout=self.config.state_download_timeout_s)
+            except Exception as e:
+                logger.warning(f"state download failed: {type(e).__name__}: {e}")
+                loaded = None
+            if loaded is not None:
+                metadata, tensors = loaded
+                await self._compute(self.runner.load_state, metadata, tensors)
+                logger.info(f"stage {self.stage}: downloaded state at step {self.runner.step}")
+                return True
+            await asyncio.sleep(1.0)
+        return False
+
+    async def leave(self) -> None:
+        """Graceful leave (SIGTERM): refuse new work, finish what is in flight, announce, shut down."""
+        if self.state == "leaving":
+            return
+        self.state = "leaving"
+        self._stopping.set()
+        deadline = time.monotonic() + self.config.leave_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in self._tasks:  # the coordinator stops between averaging rounds (see _coordinate_loop)
+            try:
+                await asyncio.wait_for(task, timeout=max(0.1, deadline - time.monotonic()))
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                task.cancel()
+        await self._announce()
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.averager is not None and self.averager.is_alive():
+            self.averager.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.dht is not None and self.dht.is_alive():
+            self.dht.shutdown()
+
+    # ---- compute ----
+
+    async def _compute(self, fn, *args):
+        self._queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        finally:
+            self._queued -= 1
+
+    def _check_request(self, request: Dict[str, Any]) -> None:
+        if self.state != "online":
+            raise RemoteError(f"peer is {self.state}, not taking new work", "unavailable")
+        if request.get("stage") != self.stage:
+            raise RemoteError(f"this peer serves stage {self.stage}, not {request.get('stage')!r}", "wrong_stage")
+        inputs = request.get("inputs")
+        if inputs is not None and getattr(inputs, "ndim", 0) >= 1 and inputs.shape[0] > self.config.max_batch_samples:
+            raise ValueError(f"batch of {inputs.shape[0]} samples exceeds this peer's limit of {self.config.max_batch_samples}")
+
+    async def _rpc_forward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        self._check_request(request)
+        self._in_flight += 1
+        try:
+            output = await self._compute(self.runner.forward, request.get("inputs"), request.get("targets"))
+        finally:
+            self._in_flight -= 1
+        return {"loss": float(output)} if self.runner.module.is_last else {"outputs": output}
+
+    async def _rpc_backward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        self._check_request(request)
+        micro_batch_id = request.get("micro_batch_id")
+        if not isinstance(micro_batch_id, str) or not micro_batch_id:
+            raise ValueError("backward needs a non-empty string micro_batch_id")
+        self._in_flight += 1
+        try:
+            grad_inputs, loss, step = await self._compute(
+                self.runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
+                request.get("targets"))
+        finally:
+            self._in_flight -= 1
+        reply: Dict[str, Any] = {"step": step}
+        if grad_inputs is not None:
+            reply["grad_inputs"] = grad_inputs
+        if loss is not None:
+            reply["loss"] = loss
+        return reply
+
+    async def _rpc_info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        return self._record().model_dump(mode="json")
+
+    async def _rpc_parameters(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        """The stage's parameters (to export a trained model, or to check replicas agree); with
+        ``gradients: true`` also the mean gradient accumulated so far for the current step."""
+        return await self._compute(self.runner.export, bool(request.get("gradients", False)))
+
+    # ---- DHT ----
+
+    def _record(self) -> PeerRecord:
+        runner = self.runner
+        frozen = runner.frozen.samples if runner is not None and runner.frozen is not None else 0
+        return PeerRecord(
+            version=PROTOCOL_VERSION, peer_id=self.peer_id, stage=self.stage, state=self.state,
+            throughput=runner.meter.samples_per_s if runner else 0.0, queue_length=self._queued,
+            step=runner.step if runner else 0, accum_step=runner.accum_step if runner else 0,
+            samples_pending=runner.samples_pending if runner else 0, samples_frozen=frozen,
+            samples_applied=runner.samples_applied if runner else 0, contributors=dict(self.contributors),
+        )
+
+    async def _announce(self) -> None:
+        await store_record(self.dht, peers_key(self.run.run_id), self.peer_id, self._record(), self.config.expiration_s)
+
+    async def _announce_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self._announce()
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.config.announce_period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _peer_records(self) -> Dict[str, PeerRecord]:
+        return await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord)
+
+    async def _stage_records(self) -> Dict[str, PeerRecord]:
+        return {k: r for k, r in (await self._peer_records()).items() if r.stage == self.stage}
+
+    # ---- global steps ----
+
+    async def _coordinate_loop(self) -> None:
+        """Every poll period: catch up if behind, and run a global step once the stage has the global batch."""
+        while not self._stopping.is_set():
+            try:
+                await self._coordinate_once()
+            except Exception:
+                logger.exception("step coordination failed; retrying")
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.config.poll_period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _coordinate_once(self) -> None:
+        records = await self._stage_records()
+        others = [r for r in records.values() if r.peer_id != self.peer_id and r.state == "online"]
+        if any(r.step > self.runner.step for r in others):
+            logger.info(f"stage {self.stage}: behind the other replicas at step {self.runner.step}; resynchronising")
+            await self._download_state()
+            return
+        total = self.runner.samples_pending + sum(
+            r.samples_pending for r in others if r.accum_step == self.runner.accum_step)
+        if self.runner.frozen is not None or total >= self.run.target_batch_size:
+            await self._global_step(others)
+
+    async def _global_step(self, online: List[PeerRecord]) -> None:
+        frozen = await self._compute(self.runner.freeze)
+        if not online:
+            await self._apply(frozen.mean_grads, frozen.samples, [self.peer_id])
+            return
+        gather = {"step": frozen.step, "samples": frozen.samples, "peer_id": self.peer_id}
+        result = await self.averager.average(
+            frozen.step, frozen.mean_grads, frozen.samples, gather, len(online) + 1, self.config.averaging_timeout_s)
+        if result is None:
+            return  # the frozen step stays; the next poll retries, resyncs if others moved on, or steps alone
+        averaged, gathered = result
+        steps = {data.get("step") for data in gathered.values() if isinstance(data, dict)}
+        if steps != {frozen.step}:
+            logger.warning(f"stage {self.stage}: group gathered mismatched steps {steps}; dropping this round")
+            return
+        total = sum(int(data.get("samples", 0)) for data in gathered.values())
+        await self._apply(averaged, total, sorted(gathered))
+
+    async def _apply(self, mean_grads, total_samples: int, members: List[str]) -> None:
+        step = self.runner.frozen.step
+        await self._compute(self.runner.apply, mean_grads, total_samples)
+        self.contributors[step] = members
+        for old in sorted(self.contributors)[:-CONTRIBUTOR_HISTORY]:
+            del self.contributors[old]
+        logger.info(f"stage {self.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas")
+        await self._announce()

@@ -1,0 +1,240 @@
+"""The torch side of a stage peer: one stage's module, optimizer and gradient accumulator.
+
+Runs on the peer's single compute thread (see :class:`swarm.server.peer.StagePeer`); a lock
+guards the state against the averager's state-sharing thread. Knows nothing about networks.
+
+Backward is stateless: a backward request carries the stage's input again and the forward
+is recomputed on whichever replica gets it (as in SWARM), so a peer that dies between a
+micro-batch's forward and backward costs one recomputation elsewhere, nothing more.
+
+Gradients are double-buffered: when the swarm reaches the global batch, the accumulated sum
+is *frozen* for averaging and a fresh accumulator starts for the next step, so compute never
+waits for the all-reduce (backward passes computed meanwhile see parameters one step old).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+
+from swarm.config import RunConfig
+from swarm.local_training import make_optimizer, optimizer_step
+from swarm.model import StageModule, build_stage
+
+__all__ = ["StageRunner", "FrozenStep", "ThroughputMeter"]
+
+
+@dataclass
+class FrozenStep:
+    """The gradients of one global step, taken out of the accumulator for averaging."""
+
+    step: int
+    samples: int
+    mean_grads: List[torch.Tensor]
+    micro_batch_ids: Set[str] = field(default_factory=set)
+
+
+class ThroughputMeter:
+    """EMA of seconds of compute per sample, per kind of work; throughput = samples/s of fwd+bwd."""
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.cost_s: Dict[str, float] = {}
+
+    def update(self, kind: str, samples: int, elapsed_s: float) -> None:
+        cost = elapsed_s / max(samples, 1)
+        old = self.cost_s.get(kind)
+        self.cost_s[kind] = cost if old is None else (1 - self.alpha) * old + self.alpha * cost
+
+    @property
+    def samples_per_s(self) -> float:
+        if "forward_backward" in self.cost_s:
+            total = self.cost_s["forward_backward"]
+        elif "backward" in self.cost_s:
+            total = self.cost_s["backward"] + self.cost_s.get("forward", 0.0)
+        else:
+            return 0.0
+        return 1.0 / total if total > 0 else 0.0
+
+
+def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where: str) -> None:
+    if not isinstance(grad_outputs, torch.Tensor):
+        raise ValueError(f"{where}: grad_outputs must be a tensor")
+    if grad_outputs.shape != outputs.shape or grad_outputs.dtype != outputs.dtype:
+        raise ValueError(
+            f"{where}: grad_outputs must be {outputs.dtype} of shape {tuple(outputs.shape)}, "
+            f"got {grad_outputs.dtype} of shape {tuple(grad_outputs.shape)}"
+        )
+    if not bool(torch.isfinite(grad_outputs).all()):
+        raise ValueError(f"{where}: grad_outputs contain NaN or inf values")
+
+
+class StageRunner:
+    """One replica of one stage: compute, accumulate, step, and export/import its state."""
+
+    def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu"):
+        self.run, self.stage_index, self.device = run, stage_index, torch.device(device)
+        self.module: StageModule = build_stage(run.model, stage_index, run.num_stages, run.seed).to(self.device)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, run.optimizer)
+        self._init_optimizer_state()
+        self.lock = threading.RLock()
+        self.meter = ThroughputMeter()
+        self.step = 0  # global steps applied to the parameters
+        self.accum_step = 0  # the step that new gradients accumulate into
+        self.samples_applied = 0  # samples inside all applied steps
+        self.samples_pending = 0
+        self.pending_ids: Set[str] = set()
+        self.grad_sum = [torch.zeros_like(p) for p in self.params]
+        self.frozen: Optional[FrozenStep] = None
+
+    @property
+    def where(self) -> str:
+        return f"stage {self.stage_index}"
+
+    def _init_optimizer_state(self) -> None:
+        # AdamW initialises its state lazily; creating it now gives the state a fixed schema to share
+        for p in self.params:
+            self.optimizer.state[p] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+
+    def _to_device(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if tensor is None else tensor.to(self.device)
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Stage output (hidden states, or the mean loss on the last stage) without touching gradients."""
+        self.module.check_inputs(inputs, targets)
+        start = time.perf_counter()
+        with self.lock:
+            output = self.module(self._to_device(inputs), self._to_device(targets)).cpu()
+        if not self.module.is_last:
+            self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
+        return output
+
+    def backward(
+        self, micro_batch_id: str, inputs: torch.Tensor, grad_outputs: Optional[torch.Tensor],
+        targets: Optional[torch.Tensor] = None,
+    ) -> Tuple[Optional[torch.Tensor], Optional[float], int]:
+        """Recompute the forward, accumulate parameter gradients; return (grad_inputs, loss, accum_step).
+
+        On the last stage ``grad_outputs`` is None and the loss is the objective. A micro-batch id
+        already accumulated into this replica's current or frozen step is not counted again.
+        """
+        self.module.check_inputs(inputs, targets)
+        batch = int(inputs.shape[0])
+        start = time.perf_counter()
+        with self.lock:
+            x = self._to_device(inputs)
+            if not self.module.is_first:
+                x = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                outputs = self.module(x, self._to_device(targets))
+                if self.module.is_last:
+                    grad_outputs = torch.ones_like(outputs)
+                else:
+                    _check_grad_outputs(grad_outputs, outputs.cpu(), self.where)
+                wrt = self.params if self.module.is_first else [x] + self.params
+                grads = torch.autograd.grad(outputs, wrt, self._to_device(grad_outputs))
+            grad_inputs = None if self.module.is_first else grads[0].cpu()
+            param_grads = grads if self.module.is_first else grads[1:]
+            if not all(bool(torch.isfinite(g).all()) for g in param_grads):
+                raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
+            accum_step = self._accumulate(micro_batch_id, batch, param_grads)
+        kind = "forward_backward" if self.module.is_last else "backward"
+        self.meter.update(kind, batch, time.perf_counter() - start)
+        loss = float(outputs.detach()) if self.module.is_last else None
+        return grad_inputs, loss, accum_step
+
+    def _accumulate(self, micro_batch_id: str, batch: int, param_grads: Sequence[torch.Tensor]) -> int:
+        frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
+        if micro_batch_id in self.pending_ids:
+            return self.accum_step
+        if micro_batch_id in frozen_ids:
+            return self.frozen.step
+        for acc, grad in zip(self.grad_sum, param_grads):
+            acc.add_(grad, alpha=batch)  # a sum of per-sample-mean gradients; divided by the global count at the step
+        self.samples_pending += batch
+        self.pending_ids.add(micro_batch_id)
+        return self.accum_step
+
+    def freeze(self) -> FrozenStep:
+        """Take the accumulator out for averaging; new gradients go to the next step."""
+        with self.lock:
+            if self.frozen is not None:
+                return self.frozen
+            samples = self.samples_pending
+            mean = [g / samples if samples else torch.zeros_like(g) for g in self.grad_sum]
+            self.frozen = FrozenStep(self.accum_step, samples, mean, set(self.pending_ids))
+            self.grad_sum = [torch.zeros_like(p) for p in self.params]
+            self.samples_pending, self.pending_ids = 0, set()
+            self.accum_step += 1
+            return self.frozen
+
+    def apply(self, mean_grads: Sequence[torch.Tensor], total_samples: int) -> None:
+        """Step the optimizer with the swarm-wide mean gradient of the frozen step."""
+        with self.lock:
+            assert self.frozen is not None, "apply() needs a frozen step"
+            for p, g in zip(self.params, mean_grads):
+                p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+            optimizer_step(self.params, self.optimizer, self.run.optimizer)
+            self.step = self.frozen.step + 1
+            self.samples_applied += total_samples
+            self.frozen = None
+
+    # ---- state: shared with joining replicas and written to checkpoints ----
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        with self.lock:
+            tensors = [p.detach().cpu().clone() for p in self.params]
+            for p in self.params:
+                state = self.optimizer.state[p]
+                tensors += [state["exp_avg"].cpu().clone(), state["exp_avg_sq"].cpu().clone()]
+            tensors.append(torch.tensor([float(self.optimizer.state[self.params[0]]["step"])]))
+            return tensors
+
+    def export(self, with_gradients: bool = False) -> Dict[str, object]:
+        with self.lock:
+            names = [name for name, p in self.module.named_parameters() if p.requires_grad]
+            reply: Dict[str, object] = {"step": self.step, "names": names,
+                                        "parameters": [p.detach().cpu().clone() for p in self.params]}
+            if with_gradients:
+                n = max(self.samples_pending, 1)
+                reply["gradients"] = [g / n for g in self.grad_sum]
+                reply["samples_pending"] = self.samples_pending
+            return reply
+
+    def state_metadata(self) -> Dict[str, int]:
+        return {"stage": self.stage_index, "step": self.step, "samples_applied": self.samples_applied}
+
+    def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor]) -> None:
+        """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients."""
+        num = len(self.params)
+        if metadata.get("stage") != self.stage_index or len(tensors) != 3 * num + 1:
+            raise ValueError(f"{self.where}: state of stage {metadata.get('stage')} with {len(tensors)} tensors does not fit")
+        with self.lock:
+            for i, p in enumerate(self.params):
+                if tensors[i].shape != p.shape:
+                    raise ValueError(f"{self.where}: parameter {i} has shape {tuple(tensors[i].shape)}, expected {tuple(p.shape)}")
+                state = self.optimizer.state[p]
+                p.data.copy_(tensors[i])
+                state["exp_avg"].copy_(tensors[num + 2 * i])
+                state["exp_avg_sq"].copy_(tensors[num + 2 * i + 1])
+                state["step"].fill_(float(tensors[-1][0]))
+            new_step = int(metadata["step"])
+            if new_step != self.accum_step:
+                # the swarm stepped past what we accumulated without us: drop it (trainers re-send it,
+                # since we are not among that step's contributors); gradients for the step the
+                # loaded state is at are kept
+                self.grad_sum = [torch.zeros_like(p) for p in self.params]
+                self.samples_pending, self.pending_ids = 0, set()
+            self.step = self.accum_step = new_step
+            self.samples_applied = int(metadata["samples_applied"])
+            self.frozen = None

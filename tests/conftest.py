@@ -1,0 +1,30 @@
+"""Fixtures that start real swarms on 127.0.0.1 and always stop every process they started."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.utils.probe import Probe
+from tests.utils.processes import Launcher
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    launcher = Launcher(tmp_path, run_id=f"t{uuid.uuid4().hex[:8]}")
+    try:
+        yield launcher
+    finally:
+        launcher.close()
+
+
+@pytest.fixture
+def probe(launcher):
+    if not launcher.initial_peers:
+        launcher.bootstrap()
+    probe = Probe(launcher.initial_peers, launcher.run_id)
+    try:
+        yield probe
+    finally:
+        probe.shutdown()
