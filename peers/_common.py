@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import sys
 import warnings
@@ -15,6 +16,7 @@ def setup_logging() -> None:
     from hivemind.utils.logging import use_hivemind_log_handler
 
     use_hivemind_log_handler("in_root_logger")  # one format for hivemind's messages and ours
+    logging.getLogger().setLevel(logging.INFO)
 
 
 def emit(event: str, **fields: Any) -> None:

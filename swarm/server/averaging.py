@@ -35,22 +35,28 @@ class StageAverager(DecentralizedAverager):
     def __init__(self, grad_shapes: Sequence[torch.Tensor], state_fn: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]],
                  **kwargs: Any):
         self._state_fn = state_fn
-        super().__init__([torch.zeros_like(t) for t in grad_shapes], **kwargs)
+        # float64: hivemind applies the average as ``x_i + (avg - x_i)``, which rounds differently on
+        # each replica; in float64 the rounding error stays far below float32 resolution, so the
+        # replicas' float32 results agree (and the parameter digest catches the rare case they don't)
+        super().__init__([torch.zeros_like(t, dtype=torch.float64) for t in grad_shapes], **kwargs)
 
     def get_current_state(self):
         metadata, tensors = self._state_fn()
         return metadata, tensors, None
 
     async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
-                      group_size: int, timeout: float) -> Optional[Tuple[List[torch.Tensor], Dict[str, Any]]]:
-        """One all-reduce round for ``step``: returns (averaged grads, gathered metadata by peer) or None on failure."""
+                      matchmaking_timeout: float, timeout: float) -> Optional[Tuple[List[torch.Tensor], Dict[str, Any]]]:
+        """One all-reduce round for ``step``: returns (averaged grads, gathered metadata by peer) or None on failure.
+
+        ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
+        quickly that a replica died and go on without it."""
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
         with self.get_tensors() as tensors:
             for dst, src in zip(tensors, mean_grads):
-                dst.copy_(src)
+                dst.copy_(src.to(torch.float64))
         try:
-            control = self.step(gather=gather, weight=float(max(samples, 1e-6)), timeout=timeout, wait=False,
-                                allow_retries=False)
+            control = self.step(gather=gather, weight=float(max(samples, 1e-6)), timeout=matchmaking_timeout,
+                                wait=False, allow_retries=False)
             gathered = await asyncio.wait_for(control, timeout=timeout + 5)
         except Exception as e:
             logger.info(f"averaging step {step} failed: {type(e).__name__}: {e}")

@@ -53,6 +53,7 @@ class StagePeer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         self._queued = 0
         self._in_flight = 0
+        self._others_pending = 0  # samples the stage's other replicas hold for our accum_step (last poll)
         self._tasks: List[asyncio.Task] = []
         self._stopping = asyncio.Event()
 
@@ -185,6 +186,7 @@ class StagePeer:
             raise ValueError("backward needs a non-empty string micro_batch_id")
         self._in_flight += 1
         try:
+            await self._wait_for_room()
             grad_inputs, loss, step = await self._compute(
                 self.runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
                 request.get("targets"))
@@ -196,6 +198,14 @@ class StagePeer:
         if loss is not None:
             reply["loss"] = loss
         return reply
+
+    async def _wait_for_room(self) -> None:
+        """Backpressure: while a step is being averaged and the next one already holds a global batch,
+        hold new gradients back (bounded) so that steps keep close to the target batch size."""
+        deadline = time.monotonic() + self.config.averaging_timeout_s
+        while (self.runner.frozen is not None and time.monotonic() < deadline
+               and self.runner.samples_pending + self._others_pending >= self.run.target_batch_size):
+            await asyncio.sleep(0.02)
 
     async def _rpc_info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         return self._record().model_dump(mode="json")
@@ -216,6 +226,7 @@ class StagePeer:
             step=runner.step if runner else 0, accum_step=runner.accum_step if runner else 0,
             samples_pending=runner.samples_pending if runner else 0, samples_frozen=frozen,
             samples_applied=runner.samples_applied if runner else 0, contributors=dict(self.contributors),
+            digest=runner.digest if runner else "",
         )
 
     async def _announce(self) -> None:
@@ -250,16 +261,37 @@ class StagePeer:
                 pass
 
     async def _coordinate_once(self) -> None:
-        records = await self._stage_records()
-        others = [r for r in records.values() if r.peer_id != self.peer_id and r.state == "online"]
-        if any(r.step > self.runner.step for r in others):
-            logger.info(f"stage {self.stage}: behind the other replicas at step {self.runner.step}; resynchronising")
+        records = await self._peer_records()
+        others = [r for r in records.values()
+                  if r.stage == self.stage and r.peer_id != self.peer_id and r.state == "online"]
+        if any(r.step > self.runner.step for r in others) or self._diverged(others):
+            logger.info(f"stage {self.stage}: out of sync with the other replicas at step {self.runner.step}; "
+                        f"downloading their state")
             await self._download_state()
             return
-        total = self.runner.samples_pending + sum(
-            r.samples_pending for r in others if r.accum_step == self.runner.accum_step)
-        if self.runner.frozen is not None or total >= self.run.target_batch_size:
+        self._others_pending = sum(r.samples_pending for r in others if r.accum_step == self.runner.accum_step)
+        if self.runner.frozen is not None or self._step_is_due(records.values(), others):
             await self._global_step(others)
+
+    def _diverged(self, others: List[PeerRecord]) -> bool:
+        """Same step, different parameters: the replica with the higher peer id gives way."""
+        if self.runner.frozen is not None:
+            return False
+        return any(r.step == self.runner.step and r.digest and r.digest != self.runner.digest
+                   and r.peer_id < self.peer_id for r in others)
+
+    def _step_is_due(self, records, others: List[PeerRecord]) -> bool:
+        """The last stage is the swarm's clock: it closes step s once its replicas hold the global
+        batch; every other stage closes its own step s as soon as the last stage has finished s.
+        So all stages take the same number of steps; micro-batches still in flight between stages
+        when a step closes simply count towards the next one (as in SWARM)."""
+        if any(r.accum_step > self.runner.accum_step for r in others):
+            return True  # another replica already froze our current step and waits for us to average it
+        last = self.run.num_stages - 1
+        if self.stage == last:
+            return self.runner.samples_pending + self._others_pending >= self.run.target_batch_size
+        clock = [r.step for r in records if r.stage == last and r.state in ("online", "leaving")]
+        return bool(clock) and max(clock) > self.runner.accum_step
 
     async def _global_step(self, online: List[PeerRecord]) -> None:
         frozen = await self._compute(self.runner.freeze)
@@ -267,8 +299,14 @@ class StagePeer:
             await self._apply(frozen.mean_grads, frozen.samples, [self.peer_id])
             return
         gather = {"step": frozen.step, "samples": frozen.samples, "peer_id": self.peer_id}
+        started = time.monotonic()
+        logger.info(f"stage {self.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
+                    f"with {len(online)} other replicas")
         result = await self.averager.average(
-            frozen.step, frozen.mean_grads, frozen.samples, gather, len(online) + 1, self.config.averaging_timeout_s)
+            frozen.step, frozen.mean_grads, frozen.samples, gather, matchmaking_timeout=3 * self.config.matchmaking_time_s,
+            timeout=self.config.averaging_timeout_s)
+        logger.info(f"stage {self.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
+                    f"after {time.monotonic() - started:.2f}s")
         if result is None:
             return  # the frozen step stays; the next poll retries, resyncs if others moved on, or steps alone
         averaged, gathered = result

@@ -14,6 +14,7 @@ waits for the all-reduce (backward passes computed meanwhile see parameters one 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class StageRunner:
         self.pending_ids: Set[str] = set()
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.frozen: Optional[FrozenStep] = None
+        self.digest = self._digest()
 
     @property
     def where(self) -> str:
@@ -182,12 +184,21 @@ class StageRunner:
         """Step the optimizer with the swarm-wide mean gradient of the frozen step."""
         with self.lock:
             assert self.frozen is not None, "apply() needs a frozen step"
-            for p, g in zip(self.params, mean_grads):
-                p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-            optimizer_step(self.params, self.optimizer, self.run.optimizer)
+            if total_samples > 0:  # a step that got no samples here keeps the step count aligned, nothing more
+                for p, g in zip(self.params, mean_grads):
+                    p.grad = g.to(device=p.device, dtype=p.dtype).clone()
+                optimizer_step(self.params, self.optimizer, self.run.optimizer)
             self.step = self.frozen.step + 1
             self.samples_applied += total_samples
             self.frozen = None
+            self.digest = self._digest()
+
+    def _digest(self) -> str:
+        """A hash of the parameters: replicas at the same step must announce the same one."""
+        h = hashlib.blake2b(digest_size=8)
+        for p in self.params:
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     # ---- state: shared with joining replicas and written to checkpoints ----
 
@@ -238,3 +249,4 @@ class StageRunner:
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None
+            self.digest = self._digest()

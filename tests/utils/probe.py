@@ -38,7 +38,8 @@ class Probe:
             if predicate(records):
                 return records
             await asyncio.sleep(0.3)
-        summary = [(r.peer_id[-6:], r.stage, r.state, r.step, r.accum_step, r.samples_pending) for r in records.values()]
+        summary = [(r.peer_id[-6:], r.stage, r.state, f"step={r.step}", f"accum={r.accum_step}", f"pending={r.samples_pending}",
+                    f"frozen={r.samples_frozen}", f"applied={r.samples_applied}") for r in records.values()]
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}; records: {summary}")
 
     def shutdown(self) -> None:
