@@ -67,12 +67,14 @@ class PeerConfig:
     stage: Union[int, str] = "auto"  # stage index to serve, or 'auto' for the stage that needs capacity most
     device: str = "cpu"  # torch device for the stage, e.g. cpu or cuda:0
     num_threads: int = 1  # torch intra-op threads for this peer
+    slowdown: float = 1.0  # emulate a slower device: compute takes this many times longer (1.0 = off)
     announce_period_s: float = 1.0  # seconds between DHT announcements
     expiration_s: float = 6.0  # seconds a DHT record outlives its announcement: how fast a dead peer vanishes
     poll_period_s: float = 0.25  # seconds between checks of the stage's progress towards the global batch
     matchmaking_time_s: float = 2.0  # seconds replicas wait to form an all-reduce group
     averaging_timeout_s: float = 30.0  # seconds one all-reduce round may take
     state_download_timeout_s: float = 60.0  # seconds to download a stage's state from a replica
+    overlap_averaging: bool = False  # keep computing the next step's gradients while a step is averaged: faster, but those gradients are one step stale
     max_batch_samples: int = 512  # largest request (samples) this peer accepts
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
     leave_timeout_s: float = 10.0  # seconds a leaving peer waits for in-flight requests (SIGTERM)
@@ -95,6 +97,8 @@ class PeerConfig:
             _positive(name, getattr(self, name))
         if self.expiration_s < 2 * self.announce_period_s:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
+        if not self.slowdown >= 1.0:
+            raise ValueError(f"slowdown must be >= 1.0, got {self.slowdown!r}")
         if self.max_batch_samples < 1 or self.num_threads < 1:
             raise ValueError("max_batch_samples and num_threads must be at least 1")
 

@@ -64,8 +64,10 @@ class PeerRecord(_Record):
     accum_step: int = Field(ge=0)  # the step that backward passes accumulate into now
     samples_pending: int = Field(ge=0)  # samples accumulated for accum_step
     samples_frozen: int = Field(default=0, ge=0)  # samples of the previous step, being averaged now
+    samples_admitted: int = Field(default=0, ge=0)  # samples of backward passes under way (not yet pending)
     samples_applied: int = Field(ge=0)  # samples inside all global steps applied so far
     digest: str = Field(default="", max_length=64)  # hash of the parameters at `step`
+    samples_processed: int = Field(default=0, ge=0)  # samples this replica ran backward for
     # recent completed steps: step -> peer ids whose gradients that step averaged
     contributors: Dict[int, List[str]] = Field(default_factory=dict)
 

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
+import torch
 from hivemind import DHT
 from hivemind.utils import get_logger
 
@@ -29,6 +30,7 @@ __all__ = ["StagePeer", "start_dht"]
 
 logger = get_logger(__name__)
 CONTRIBUTOR_HISTORY = 64  # completed steps whose group members a peer keeps announcing
+FAST_ANNOUNCE_S = 0.05  # announce period (seconds) while a stage nears its global batch
 
 
 def start_dht(network, client_mode: bool = False) -> DHT:
@@ -54,6 +56,10 @@ class StagePeer:
         self._queued = 0
         self._in_flight = 0
         self._others_pending = 0  # samples the stage's other replicas hold for our accum_step (last poll)
+        self._admitted = 0  # samples of backward requests admitted but not yet accumulated
+        self._others_reserved = 0.0  # what the other replicas hold or are about to hold for our step
+        # set when gradients arrive: one wakes the announcer, the other the coordinator
+        self._progress = {"announce": asyncio.Event(), "coordinate": asyncio.Event()}
         self._tasks: List[asyncio.Task] = []
         self._stopping = asyncio.Event()
 
@@ -64,13 +70,11 @@ class StagePeer:
     # ---- lifecycle ----
 
     async def start(self) -> None:
-        import torch
-
         torch.set_num_threads(self.config.num_threads)
         if self.dht is None:
             self.dht = start_dht(self.config.network)
         self.stage = await self._choose_stage()
-        self.runner = StageRunner(self.run, self.stage, self.config.device)
+        self.runner = StageRunner(self.run, self.stage, self.config.device, self.config.slowdown)
         self.averager = self._make_averager()
         await self._announce()
         await self._join_stage()
@@ -184,14 +188,17 @@ class StagePeer:
         micro_batch_id = request.get("micro_batch_id")
         if not isinstance(micro_batch_id, str) or not micro_batch_id:
             raise ValueError("backward needs a non-empty string micro_batch_id")
+        samples = int(request["inputs"].shape[0]) if isinstance(request.get("inputs"), torch.Tensor) else 0
         self._in_flight += 1
+        await self._wait_for_room(samples)
         try:
-            await self._wait_for_room()
             grad_inputs, loss, step = await self._compute(
                 self.runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
                 request.get("targets"))
         finally:
             self._in_flight -= 1
+            self._admitted -= samples
+        self._notify_progress()
         reply: Dict[str, Any] = {"step": step}
         if grad_inputs is not None:
             reply["grad_inputs"] = grad_inputs
@@ -199,13 +206,28 @@ class StagePeer:
             reply["loss"] = loss
         return reply
 
-    async def _wait_for_room(self) -> None:
-        """Backpressure: while a step is being averaged and the next one already holds a global batch,
-        hold new gradients back (bounded) so that steps keep close to the target batch size."""
+    def _notify_progress(self) -> None:
+        for event in self._progress.values():
+            event.set()
+
+    def _stage_is_full(self) -> bool:
+        pending = self.runner.samples_pending + self._admitted + self._others_reserved
+        return pending >= self.run.target_batch_size
+
+    def _must_wait(self) -> bool:
+        averaging = self.runner.frozen is not None and not self.config.overlap_averaging
+        return self.state == "online" and (averaging or self._stage_is_full())
+
+    async def _wait_for_room(self, samples: int) -> None:
+        """Backpressure, bounded in time. Once the stage holds a whole global batch, new gradients wait
+        until that step closes, so steps stay close to the target batch size however fast trainers are;
+        unless ``overlap_averaging``, they also wait while a step is averaged, so that every gradient is
+        computed on the parameters it will update (no staleness)."""
         deadline = time.monotonic() + self.config.averaging_timeout_s
-        while (self.runner.frozen is not None and time.monotonic() < deadline
-               and self.runner.samples_pending + self._others_pending >= self.run.target_batch_size):
-            await asyncio.sleep(0.02)
+        while self._must_wait() and time.monotonic() < deadline:
+            self._notify_progress()
+            await asyncio.sleep(0.01)
+        self._admitted += samples
 
     async def _rpc_info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         return self._record().model_dump(mode="json")
@@ -225,20 +247,37 @@ class StagePeer:
             throughput=runner.meter.samples_per_s if runner else 0.0, queue_length=self._queued,
             step=runner.step if runner else 0, accum_step=runner.accum_step if runner else 0,
             samples_pending=runner.samples_pending if runner else 0, samples_frozen=frozen,
+            samples_admitted=self._admitted,
             samples_applied=runner.samples_applied if runner else 0, contributors=dict(self.contributors),
-            digest=runner.digest if runner else "",
+            digest=runner.digest if runner else "", samples_processed=runner.samples_processed if runner else 0,
         )
 
     async def _announce(self) -> None:
         await store_record(self.dht, peers_key(self.run.run_id), self.peer_id, self._record(), self.config.expiration_s)
 
     async def _announce_loop(self) -> None:
+        """Announce every announce period, and every ``FAST_ANNOUNCE_S`` while the stage nears its
+        global batch, so that replicas see each other's progress in time to close steps on target."""
         while not self._stopping.is_set():
             await self._announce()
-            try:
-                await asyncio.wait_for(self._stopping.wait(), self.config.announce_period_s)
-            except asyncio.TimeoutError:
-                pass
+            near = self.runner.samples_pending + self._others_pending >= self.run.target_batch_size // 2
+            await self._sleep_or_progress("announce", FAST_ANNOUNCE_S if near else self.config.announce_period_s,
+                                          FAST_ANNOUNCE_S)
+
+    async def _sleep_or_progress(self, waker: str, period_s: float, min_period_s: float) -> None:
+        """Wait ``period_s``, or less (but at least ``min_period_s``) when gradients arrive; stop on leave."""
+        started = time.monotonic()
+        event = self._progress[waker]
+        event.clear()
+        waiters = {asyncio.ensure_future(self._stopping.wait()), asyncio.ensure_future(event.wait())}
+        try:
+            await asyncio.wait(waiters, timeout=period_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        remaining = min_period_s - (time.monotonic() - started)
+        if remaining > 0 and not self._stopping.is_set():
+            await asyncio.sleep(remaining)
 
     async def _peer_records(self) -> Dict[str, PeerRecord]:
         return await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord)
@@ -255,10 +294,7 @@ class StagePeer:
                 await self._coordinate_once()
             except Exception:
                 logger.exception("step coordination failed; retrying")
-            try:
-                await asyncio.wait_for(self._stopping.wait(), self.config.poll_period_s)
-            except asyncio.TimeoutError:
-                pass
+            await self._sleep_or_progress("coordinate", self.config.poll_period_s, FAST_ANNOUNCE_S / 3)
 
     async def _coordinate_once(self) -> None:
         records = await self._peer_records()
@@ -269,7 +305,12 @@ class StagePeer:
                         f"downloading their state")
             await self._download_state()
             return
-        self._others_pending = sum(r.samples_pending for r in others if r.accum_step == self.runner.accum_step)
+        mine, share = self.runner.accum_step, self.run.target_batch_size / (len(others) + 1)
+        self._others_pending = sum(r.samples_pending for r in others if r.accum_step == mine)
+        # admission also counts what others are computing, and reserves a fair share for replicas whose
+        # record still shows an older step: they are about to accumulate for this one too
+        self._others_reserved = sum(r.samples_pending + r.samples_admitted if r.accum_step == mine else share
+                                    for r in others if r.accum_step <= mine)
         if self.runner.frozen is not None or self._step_is_due(records.values(), others):
             await self._global_step(others)
 

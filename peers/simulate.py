@@ -1,0 +1,75 @@
+"""``swarm simulate``: the swarm under churn at scale, with and without rebalancing, vs the optimum."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List
+
+from swarm.policy.rebalance import RebalanceConfig
+from swarm.simulate import SimConfig, run_experiment
+from swarm.simulate.config import DEFAULT_SIM_REBALANCE, JOIN_POLICY_NAMES
+
+
+def _floats(text: str) -> tuple:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = SimConfig()
+    p = argparse.ArgumentParser(prog="swarm simulate", description=__doc__)
+    p.add_argument("--peers", type=int, default=d.num_peers, help="peers at start (joins keep the mean there)")
+    p.add_argument("--stages", type=int, default=d.num_stages, help="pipeline stages")
+    p.add_argument("--hours", type=float, default=d.hours, help="simulated hours")
+    p.add_argument("--seed", type=int, default=d.seed, help="seeds hardware, churn, routing, jitter")
+    p.add_argument("--throughputs", type=_floats, default=(), help="comma list of compute samples/s, cycled over peers")
+    p.add_argument("--lifetime-h", type=float, default=d.mean_lifetime_h, help="mean hours until preemption")
+    p.add_argument("--join-rate-per-h", type=float, default=None, help="joins per hour (default: steady state)")
+    p.add_argument("--crash-fraction", type=float, default=d.crash_fraction, help="preemptions without notice")
+    p.add_argument("--trainers", type=int, default=d.num_trainers, help="number of trainers")
+    p.add_argument("--trace", default=None, help="churn trace CSV: time_s,event,peer_id[,compute]")
+    r = DEFAULT_SIM_REBALANCE
+    p.add_argument("--period-s", type=float, default=r.period_s, help="mean seconds between rebalancing decisions")
+    p.add_argument("--min-gain", type=float, default=r.min_gain, help="relative gain a move must clear")
+    p.add_argument("--max-movers", type=int, default=r.max_movers_per_period, help="movers per period")
+    p.add_argument("--static-join", choices=JOIN_POLICY_NAMES, default=d.static_join_policy,
+                   help="how joining peers choose a stage in the baseline run without rebalancing: 'random' = "
+                        "uniformly, no load awareness (the SWARM paper's baseline); 'auto' = the live --stage auto "
+                        "policy (the rebalanced run always uses it)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line (last line)")
+    return p
+
+
+def main(argv: List[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = SimConfig(
+            num_peers=args.peers, num_stages=args.stages, hours=args.hours, seed=args.seed,
+            throughput_list=args.throughputs, mean_lifetime_h=args.lifetime_h, join_rate_per_h=args.join_rate_per_h,
+            crash_fraction=args.crash_fraction, num_trainers=args.trainers, trace_path=args.trace,
+            static_join_policy=args.static_join,
+            rebalance=RebalanceConfig(period_s=args.period_s, period_jitter=DEFAULT_SIM_REBALANCE.period_jitter,
+                                      min_gain=args.min_gain, max_movers_per_period=args.max_movers))
+    except ValueError as error:
+        print(f"swarm simulate: {error}", file=sys.stderr)
+        return 2
+    summary = run_experiment(config)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"{config.num_peers} peers, {config.num_stages} stages, {config.hours:g} h, seed {config.seed}; "
+          f"rebalanced: auto join + moves every {config.rebalance.period_s:g} s; "
+          f"static: {config.static_join_policy} join, no moves")
+    print("hour  optimal  rebalanced  static  (samples/s)")
+    step = max(1, len(summary["series_hours"]) // 24)
+    for i in range(0, len(summary["series_hours"]), step):
+        print(f"{summary['series_hours'][i]:5.1f} {summary['series_optimal'][i]:8.1f} "
+              f"{summary['series_rebalanced'][i]:10.1f} {summary['series_static'][i]:7.1f}")
+    print(f"fraction of optimal: rebalanced {summary['fraction_of_optimal_rebalanced']:.3f}, "
+          f"static {summary['fraction_of_optimal_static']:.3f}; {summary['moves']} moves; {summary['wall_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
