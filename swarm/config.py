@@ -142,3 +142,26 @@ class BootstrapConfig:
 
     maddrs_file: Optional[str] = None  # write this peer's multiaddrs here once it is up
     network: NetworkConfig = field(default_factory=NetworkConfig)
+
+
+@dataclass
+class DemoConfig:
+    """A whole swarm on 127.0.0.1: one bootstrap, peers_per_stage peers per stage, num_trainers trainers."""
+
+    peers_per_stage: int = 2  # replicas of every stage
+    num_trainers: int = 2  # trainer processes
+    duration_s: float = 120.0  # seconds of training
+    batch_size: int = 8  # samples per micro-batch
+    max_in_flight: int = 4  # micro-batches in flight per trainer
+    max_data_mb: Optional[float] = 8.0  # read at most this much of the corpus (MiB), for a quick start
+    log_period_s: float = 5.0  # seconds between status lines
+    work_dir: str = "runs/demo"  # each process writes its log here
+    startup_timeout_s: float = 120.0  # seconds to wait for every process to come up
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("peers_per_stage", "num_trainers", "batch_size", "max_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("duration_s", "log_period_s", "startup_timeout_s"):
+            _positive(name, getattr(self, name))

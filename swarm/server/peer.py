@@ -100,6 +100,8 @@ class StagePeer:
             prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
             min_matchmaking_time=self.config.matchmaking_time_s, request_timeout=self.config.matchmaking_time_s / 2,
             allreduce_timeout=self.config.averaging_timeout_s, allow_state_sharing=False,
+            # a groupmate that stops sending parts (it gave up, died) fails the round in seconds, not at the timeout
+            next_chunk_timeout=min(self.config.averaging_timeout_s, 3 * self.config.matchmaking_time_s),
             declare_state_period=self.config.announce_period_s * 2, initial_group_bits="0" * 16,
         )
 

@@ -1,0 +1,447 @@
+"""Pipeline benchmark: one process vs a 2-stage swarm on loopback, and where the time goes.
+
+Why: a SWARM pipeline pays only if what it adds per micro-batch (serialization, the p2pd
+hops, waiting for the other stage, the recomputation of stateless backward) is small next
+to the compute it spreads over machines. This script measures each of those on the same
+model and data, and prints a breakdown, then one JSON line as its last line.
+
+What runs (every process limited to one torch thread; every address is 127.0.0.1):
+  (a) single: the whole model (FullModel, the swarm's initialisation) in this process:
+      forward and backward per micro-batch, gradients accumulated, an optimizer step every
+      ``target_batch_size`` samples, as the swarm does.
+  (b) swarm: a bootstrap DHT and one stage peer per stage (``--num_threads 1``) as
+      subprocesses, one Trainer in this process (``torch.set_num_threads(1)``), measured
+      with max_in_flight 1 and 4 (``swarm_tokens_per_s`` and ``ratio`` are for 4, the
+      trainer's default). ``target_batch_size`` defaults to more samples than the benchmark
+      ever sends, so no global step happens in a measured window on either side: both
+      figures are forward+backward throughput. ``overlap_averaging`` stays off: with one
+      replica per stage there is no all-reduce to overlap.
+Each measurement is a warm-up, then a fixed number of samples; tokens/s = samples * seq_len /
+seconds from the start of the window to the completion of its last micro-batch.
+
+The breakdown, per micro-batch of the benchmark's shape:
+  compute         median time of the StageRunner calls the peers run, timed in this process
+                  with one thread: stage 0 forward, stage 1 forward+backward, stage 0
+                  backward (which recomputes stage 0's forward: backward is stateless).
+  serialization   swarm.wire.encode + decode of the six messages of one micro-batch (three
+                  calls, a request and a reply each), timed in this process.
+  transfer        each of those three calls replayed one at a time on the idle swarm:
+                  round trip - compute - serialization = protobuf, two p2pd daemons,
+                  loopback TCP, the asyncio and executor hand-offs.
+  waiting         what is left of a micro-batch's latency during training: queueing
+                  behind other micro-batches on a peer's single compute thread, and CPU
+                  contention (two cores shared by both peers, three p2pd daemons, the trainer,
+                  and whatever else the machine runs: the 'machine busy' figure shows it).
+  rpc_overhead_ms mean round trip of a ``forward`` call to the stage-1 peer carrying one
+                  activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
+                  minus the compute of that forward (StageRunner.forward on the same tensors,
+                  timed in this process): the cost of one network hop carrying one activation.
+Usage: python benchmarks/pipeline.py [--samples 256] [--batch_size 16] [--num_layers 4] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Dict, List, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from hivemind.p2p import PeerID  # noqa: E402
+
+from _roles import Swarm, cpu_seconds_by_kind, machine_busy_seconds  # noqa: E402
+from swarm import wire  # noqa: E402
+from swarm.client.trainer import Trainer  # noqa: E402
+from swarm.config import NetworkConfig, RunConfig, TrainerConfig  # noqa: E402
+from swarm.data import BatchSampler, Corpus, load_corpus  # noqa: E402
+from swarm.local_training import make_optimizer, optimizer_step  # noqa: E402
+from swarm.model import FullModel, ModelConfig  # noqa: E402
+from swarm.rpc import call_peer  # noqa: E402
+from swarm.server.runner import StageRunner  # noqa: E402
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+TRAINER_SEED = 1  # the single process draws the same samples as the trainer
+CALLS = ("forward0", "backward1", "backward0")  # the three calls of one micro-batch, in order
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num_layers", type=int, default=4)
+    parser.add_argument("--hidden_size", type=int, default=256)
+    parser.add_argument("--num_heads", type=int, default=4)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--batch_size", type=int, default=16, help="samples per micro-batch")
+    parser.add_argument("--samples", type=int, default=256, help="samples per measured window")
+    parser.add_argument("--in_flight", type=str, default="1,4", help="max_in_flight settings to measure")
+    parser.add_argument("--target_batch_size", type=int, default=1_000_000,
+                        help="samples per global step; the default means no step while measuring")
+    parser.add_argument("--reps", type=int, default=4, help="repetitions of each local timing and RPC probe")
+    parser.add_argument("--max_data_mb", type=float, default=2.0, help="corpus bytes read (MiB)")
+    return parser.parse_args()
+
+
+def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1000)
+    return statistics.median(times)
+
+
+# ---- local measurements: compute and serialization ----
+
+@dataclasses.dataclass
+class Tensors:
+    """One micro-batch and what crosses the network for it."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    hidden: torch.Tensor  # stage 0's output
+    grad: torch.Tensor  # stage 1's gradient w.r.t. hidden
+
+
+def measure_compute(run: RunConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int
+                    ) -> Tuple[Dict[str, float], Tensors]:
+    """Median ms of each StageRunner call of one micro-batch, plus an optimizer step per stage."""
+    first, last = StageRunner(run, 0), StageRunner(run, 1)
+    hidden = first.forward(tokens)
+    grad, _, _ = last.backward("warm-up", hidden, None, targets)
+    first.backward("warm-up", tokens, grad)
+    ids = iter(range(10**9))
+    compute = {
+        "forward0": median_ms(lambda: first.forward(tokens), reps),
+        "forward1": median_ms(lambda: last.forward(hidden, targets), reps),
+        "backward1": median_ms(lambda: last.backward(f"b{next(ids)}", hidden, None, targets), reps),
+        "backward0": median_ms(lambda: first.backward(f"b{next(ids)}", tokens, grad), reps),
+    }
+    compute["optimizer_step"] = sum(median_ms(lambda: _step(runner), 1) for runner in (first, last))
+    return compute, Tensors(tokens, targets, hidden, grad)
+
+
+def _step(runner: StageRunner) -> None:
+    frozen = runner.freeze()
+    runner.apply(frozen.mean_grads, max(frozen.samples, 1))
+
+
+def call_messages(t: Tensors) -> Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """(request, reply) of each call, as swarm.client.pipeline and the peers build them."""
+    return {
+        "forward0": ({"inputs": t.tokens, "stage": 0}, {"outputs": t.hidden}),
+        "backward1": ({"micro_batch_id": "x:0", "inputs": t.hidden, "targets": t.targets, "stage": 1},
+                      {"step": 0, "grad_inputs": t.grad, "loss": 5.0}),
+        "backward0": ({"micro_batch_id": "x:0", "inputs": t.tokens, "grad_outputs": t.grad, "stage": 0},
+                      {"step": 0}),
+        "forward1": ({"inputs": t.hidden, "targets": t.targets, "stage": 1}, {"loss": 5.0}),
+    }
+
+
+def measure_serialization(messages: Dict[str, Tuple[Dict, Dict]], reps: int) -> Dict[str, float]:
+    """Median ms to encode and decode each call's request and reply."""
+    result = {}
+    for name, pair in messages.items():
+        total = 0.0
+        for message in pair:
+            payload = wire.encode(message)
+            total += median_ms(lambda: wire.encode(message), reps) + median_ms(lambda: wire.decode(payload), reps)
+        result[name] = total
+    return result
+
+
+def run_single(run: RunConfig, corpus: Corpus, batch_size: int, warmup: int, samples: int) -> Dict[str, float]:
+    """Train the whole model in this process; tokens/s over ``samples`` after ``warmup`` samples."""
+    model = FullModel(run.model, run.num_stages, run.seed)
+    params = [list(stage.parameters()) for stage in model.stages]
+    optimizers = [make_optimizer(p, run.optimizer) for p in params]
+    sampler = BatchSampler(corpus.train, run.model.seq_len, batch_size, TRAINER_SEED)
+    accumulated = 0
+
+    def micro_batch() -> None:
+        nonlocal accumulated
+        inputs, targets = sampler.sample()
+        model(inputs, targets).backward()
+        accumulated += batch_size
+        if accumulated >= run.target_batch_size:
+            for p, optimizer in zip(params, optimizers):
+                optimizer_step(p, optimizer, run.optimizer)
+            accumulated = 0
+
+    for _ in range(max(1, warmup // batch_size)):
+        micro_batch()
+    start = time.perf_counter()
+    for _ in range(samples // batch_size):
+        micro_batch()
+    elapsed = time.perf_counter() - start
+    return {"tokens_per_s": samples * run.model.seq_len / elapsed, "ms_per_micro_batch": elapsed * 1000 * batch_size / samples}
+
+
+# ---- the swarm ----
+
+class CallLog:
+    """Times every stage call and every completed micro-batch of a trainer's PipelineClient."""
+
+    def __init__(self, client) -> None:
+        self.calls: List[Tuple[str, float]] = []  # (call name, ms)
+        self.steps: List[Tuple[float, float]] = []  # (start, end) perf_counter of each micro-batch
+        call_stage, train_step = client.call_stage, client.train_step
+
+        async def timed_call(stage: int, method: str, message: Dict[str, Any], timeout: float):
+            start = time.perf_counter()
+            reply = await call_stage(stage, method, message, timeout)
+            self.calls.append((f"{method}{stage}", (time.perf_counter() - start) * 1000))
+            return reply
+
+        async def timed_step(*args, **kwargs):
+            start = time.perf_counter()
+            loss = await train_step(*args, **kwargs)
+            self.steps.append((start, time.perf_counter()))
+            return loss
+
+        client.call_stage, client.train_step = timed_call, timed_step
+
+    def reset(self) -> None:
+        self.calls, self.steps = [], []
+
+    def mean_call_ms(self) -> Dict[str, float]:
+        names = {name for name, _ in self.calls}
+        return {name: statistics.mean(ms for n, ms in self.calls if n == name) for name in names}
+
+
+def peer_cli_args(run: RunConfig) -> List[str]:
+    m = run.model
+    return ["--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
+            "--target_batch_size", str(run.target_batch_size), "--num_layers", str(m.num_layers),
+            "--hidden_size", str(m.hidden_size), "--num_heads", str(m.num_heads), "--seq_len", str(m.seq_len),
+            "--vocab_size", str(m.vocab_size), "--num_threads", "1"]
+
+
+async def start_trainer(run: RunConfig, batch_size: int, initial_peers: Sequence[str], corpus: Corpus,
+                        timeout: float = 60.0) -> Trainer:
+    """A trainer in this process that sees an online peer for every stage."""
+    config = TrainerConfig(batch_size=batch_size, trainer_seed=TRAINER_SEED, refresh_period_s=2.0, log_period_s=600.0,
+                           run=run, network=NetworkConfig(initial_peers=list(initial_peers), host_maddrs=[LOOPBACK]))
+    trainer = Trainer(config, corpus=corpus)
+    await trainer.start()
+    deadline = time.monotonic() + timeout
+    while {p.stage for p in trainer._snapshot} != set(range(run.num_stages)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the trainer saw no online peer for some stage within {timeout}s")
+        await asyncio.sleep(0.5)
+        await trainer.refresh()
+    return trainer
+
+
+async def train_samples(trainer: Trainer, in_flight: int, samples: int) -> None:
+    trainer.config = dataclasses.replace(trainer.config, max_in_flight=in_flight, max_samples=samples)
+    await trainer.train()
+
+
+def cpu_snapshot(roles: Dict[str, int]) -> Dict[str, float]:
+    return {**cpu_seconds_by_kind(roles), "machine": machine_busy_seconds()}
+
+
+async def measure_phase(trainer: Trainer, log: CallLog, in_flight: int, samples: int, roles: Dict[str, int]
+                        ) -> Dict[str, Any]:
+    """Warm up, then train ``samples`` with ``in_flight`` micro-batches in flight; what it cost."""
+    batch = trainer.config.batch_size
+    await train_samples(trainer, in_flight, max(2, in_flight) * batch)
+    log.reset()
+    failed = trainer.metrics.micro_batches_failed
+    cpu_before, start = cpu_snapshot(roles), time.perf_counter()
+    await train_samples(trainer, in_flight, samples)
+    elapsed = max(end for _, end in log.steps) - start
+    cpu_after = cpu_snapshot(roles)
+    num_micro_batches = len(log.steps)
+    cpu = {key: (cpu_after.get(key, 0.0) - value) for key, value in cpu_before.items()}
+    return {
+        "in_flight": in_flight, "elapsed_s": elapsed, "tokens_per_s": samples * trainer.run.model.seq_len / elapsed,
+        "samples_per_s": samples / elapsed, "latency_ms": statistics.mean((e - s) * 1000 for s, e in log.steps),
+        "calls_ms": log.mean_call_ms(), "failed": trainer.metrics.micro_batches_failed - failed,
+        "cpu_s_per_micro_batch": {k: v / num_micro_batches for k, v in cpu.items()},
+        "cores_busy": {"ours": sum(v for k, v in cpu.items() if k != "machine") / elapsed,
+                       "machine": cpu["machine"] / elapsed},
+    }
+
+
+async def time_call(trainer: Trainer, peer_id: str, method: str, message: Dict[str, Any]) -> float:
+    start = time.perf_counter()
+    await call_peer(trainer.client.p2p, PeerID.from_base58(peer_id), method, message, timeout=60.0)
+    return (time.perf_counter() - start) * 1000
+
+
+async def probe_rpc(trainer: Trainer, peers: Dict[int, str], messages: Dict[str, Tuple[Dict, Dict]], reps: int
+                    ) -> Dict[str, float]:
+    """Mean round trip (ms) of each call on the idle swarm, one call at a time, and of 'info'."""
+    times: Dict[str, List[float]] = {name: [] for name in (*CALLS, "forward1", "info")}
+    for rep in range(reps + 1):  # the first round warms up the connections
+        for name in times:
+            stage = 1 if name == "info" else int(name[-1])
+            method = name if name == "info" else name[:-1]
+            message = {} if name == "info" else dict(messages[name][0])
+            if "micro_batch_id" in message:
+                message["micro_batch_id"] = f"probe:{name}:{rep}"
+            elapsed = await time_call(trainer, peers[stage], method, message)
+            if rep:
+                times[name].append(elapsed)
+    return {name: statistics.mean(values) for name, values in times.items()}
+
+
+async def peer_info(trainer: Trainer, peers: Dict[int, str]) -> Dict[int, Dict[str, Any]]:
+    return {stage: await call_peer(trainer.client.p2p, PeerID.from_base58(peer_id), "info", {}, timeout=30.0)
+            for stage, peer_id in peers.items()}
+
+
+async def measure_swarm(run: RunConfig, args: argparse.Namespace, swarm: Swarm, peers: Dict[int, str],
+                        corpus: Corpus, messages: Dict[str, Tuple[Dict, Dict]]) -> Dict[str, Any]:
+    trainer = await start_trainer(run, args.batch_size, swarm.initial_peers, corpus)
+    try:
+        log = CallLog(trainer.client)
+        roles = {**{f"peer{stage}": swarm.processes[1 + stage].pid for stage in peers},
+                 "bootstrap": swarm.processes[0].pid, "trainer": os.getpid()}
+        phases = []
+        for in_flight in (int(k) for k in args.in_flight.split(",")):
+            phases.append(await measure_phase(trainer, log, in_flight, args.samples, roles))
+            phases[-1]["peer_info"] = await peer_info(trainer, peers)
+        probe = await probe_rpc(trainer, peers, messages, args.reps)
+        return {"phases": phases, "probe": probe}
+    finally:
+        trainer.shutdown()
+
+
+# ---- report ----
+
+def decompose(latency_ms: float, compute: Dict[str, float], ser: Dict[str, float], transfer: Dict[str, float]
+              ) -> Dict[str, float]:
+    parts = {"compute": sum(compute[c] for c in CALLS), "serialization": sum(ser[c] for c in CALLS),
+             "transfer": sum(transfer[c] for c in CALLS)}
+    parts["waiting"] = latency_ms - sum(parts.values())
+    return parts
+
+
+def print_local(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], ser: Dict[str, float],
+                single: Dict[str, float], activation_bytes: int) -> None:
+    m = run.model
+    print(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, seq_len {m.seq_len}; "
+          f"micro-batch {args.batch_size} ({args.batch_size * m.seq_len} tokens); {args.samples} samples per "
+          f"measured window after a warm-up; target_batch_size {run.target_batch_size}")
+    print("compute per micro-batch (StageRunner in this process, 1 thread, median):")
+    print(f"  stage 0 forward                  {compute['forward0']:8.1f} ms")
+    print(f"  stage 0 backward (+ recompute)   {compute['backward0']:8.1f} ms")
+    print(f"  stage 1 forward+backward         {compute['backward1']:8.1f} ms")
+    print(f"  stage 1 forward only             {compute['forward1']:8.1f} ms")
+    print(f"  optimizer step, both stages      {compute['optimizer_step']:8.1f} ms (not in any measured window)")
+    stage0, stage1 = compute["forward0"] + compute["backward0"], compute["backward1"]
+    print(f"single process: {single['ms_per_micro_batch']:.1f} ms per micro-batch, {single['tokens_per_s']:.0f} tokens/s")
+    print(f"pipeline bound on 2 cores with zero overhead: single / max(stage 0 {stage0:.0f}, stage 1 {stage1:.0f} ms) "
+          f"= {single['ms_per_micro_batch'] / max(stage0, stage1):.2f} (stage 0 pays a second forward)")
+    print(f"serialization per micro-batch (encode+decode of 6 messages, 4 of them carry an activation of "
+          f"{activation_bytes / 2**20:.2f} MiB): {sum(ser[c] for c in CALLS):.1f} ms")
+
+
+def print_probe(probe: Dict[str, float], compute: Dict[str, float], ser: Dict[str, float]) -> None:
+    print("RPC on the idle swarm, one call at a time (mean round trip = compute + serialization + transfer):")
+    print(f"  info (a small record)            {probe['info']:8.1f} ms")
+    for name in (*CALLS, "forward1"):
+        transfer = probe[name] - compute[name] - ser[name]
+        print(f"  {name:<32} {probe[name]:8.1f} ms = {compute[name]:.1f} + {ser[name]:.1f} + {transfer:.1f}")
+
+
+def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str, float], batch: int) -> None:
+    print(f"swarm, max_in_flight={phase['in_flight']}: {phase['tokens_per_s']:.0f} tokens/s, ratio "
+          f"{phase['tokens_per_s'] / single['tokens_per_s']:.2f}; {1000 * batch / phase['samples_per_s']:.0f} ms "
+          f"per micro-batch; failed micro-batches {phase['failed']}")
+    calls = ", ".join(f"{name} {phase['calls_ms'].get(name, float('nan')):.0f}" for name in CALLS)
+    print(f"  mean call ms: {calls}")
+    print(f"  latency {phase['latency_ms']:.0f} ms = " + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()))
+    for stage, info in phase["peer_info"].items():
+        busy = phase["samples_per_s"] / info["throughput"] if info["throughput"] else float("nan")
+        print(f"  stage {stage}: peer's own compute EMA {batch / info['throughput'] * 1000 if info['throughput'] else float('nan'):.0f}"
+              f" ms per micro-batch, busy {busy:.0%} of the window")
+    cpu = phase["cpu_s_per_micro_batch"]
+    print("  CPU ms per micro-batch: " + ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(cpu.items()) if k != "machine"))
+    cores = phase["cores_busy"]
+    print(f"  cores busy: this benchmark's processes {cores['ours']:.2f}, the whole machine {cores['machine']:.2f} "
+          f"(of {os.cpu_count()})")
+
+
+# ---- main ----
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # so that every finally block runs and stops what we started
+
+
+def main() -> int:
+    args = parse_args()
+    torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    started = time.perf_counter()
+    model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads,
+                        seq_len=args.seq_len)
+    run = RunConfig(run_id=f"bench_{uuid.uuid4().hex[:8]}", num_stages=2, target_batch_size=args.target_batch_size,
+                    model=model)
+    corpus = load_corpus(None, max_bytes=int(args.max_data_mb * 2**20))
+    tokens, targets = BatchSampler(corpus.train, model.seq_len, args.batch_size, seed=99).sample()
+    compute, tensors = measure_compute(run, tokens, targets, args.reps)
+    messages = call_messages(tensors)
+    ser = measure_serialization(messages, args.reps)
+    single = run_single(run, corpus, args.batch_size, 2 * args.batch_size, args.samples)
+    print_local(run, args, compute, ser, single, tensors.hidden.numel() * 4)
+    sys.stdout.flush()
+
+    with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as log_dir:
+        swarm = Swarm(Path(log_dir), peer_cli_args(run))
+        try:
+            swarm.bootstrap()
+            ready = swarm.peers([["--stage", "0"], ["--stage", "1"]])
+            peers = {event["stage"]: event["peer_id"] for event in ready}
+            result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages))
+        finally:
+            swarm.close()
+    return report(run, args, compute, ser, single, result, time.perf_counter() - started)
+
+
+def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], ser: Dict[str, float],
+           single: Dict[str, float], result: Dict[str, Any], wall_s: float) -> int:
+    probe = result["probe"]
+    print_probe(probe, compute, ser)
+    transfer = {name: probe[name] - compute[name] - ser[name] for name in probe if name != "info"}
+    rpc_overhead_ms = probe["forward1"] - compute["forward1"]
+    print(f"rpc_overhead_ms (forward to stage 1 with one activation, minus its compute): {rpc_overhead_ms:.1f}")
+    by_in_flight = {}
+    for phase in result["phases"]:
+        parts = decompose(phase["latency_ms"], compute, ser, transfer)
+        print_phase(phase, single, parts, args.batch_size)
+        by_in_flight[str(phase["in_flight"])] = {
+            "tokens_per_s": round(phase["tokens_per_s"], 1), "ratio": round(phase["tokens_per_s"] / single["tokens_per_s"], 3),
+            "latency_ms": round(phase["latency_ms"], 1), **{f"{k}_ms": round(v, 1) for k, v in parts.items()},
+            "failed_micro_batches": phase["failed"], "machine_cores_busy": round(phase["cores_busy"]["machine"], 2)}
+    main_phase = by_in_flight.get("4", list(by_in_flight.values())[-1])
+    print(f"wall time {wall_s:.0f} s")
+    print(json.dumps({
+        "single_tokens_per_s": round(single["tokens_per_s"], 1), "swarm_tokens_per_s": main_phase["tokens_per_s"],
+        "ratio": main_phase["ratio"], "rpc_overhead_ms": round(rpc_overhead_ms, 1),
+        "swarm_by_max_in_flight": by_in_flight,
+        "compute_ms": {k: round(v, 1) for k, v in compute.items()},
+        "serialization_ms_per_micro_batch": round(sum(ser[c] for c in CALLS), 1),
+        "transfer_ms_per_micro_batch": round(sum(transfer[c] for c in CALLS), 1),
+        "rpc_info_ms": round(probe["info"], 1),
+        "pipeline_bound_ratio": round(single["ms_per_micro_batch"] / max(compute["forward0"] + compute["backward0"],
+                                                                          compute["backward1"]), 3),
+        "model": dataclasses.asdict(run.model), "batch_size": args.batch_size, "samples": args.samples,
+        "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``swarm demo``: start a whole swarm on 127.0.0.1, train for a while, print progress, stop everything.
+
+Every role is a separate process, started exactly as a user would start it (``swarm bootstrap``,
+``swarm peer``, ``swarm train``); their logs go to ``work_dir``. The demo watches the swarm
+through the DHT like any outside observer and prints loss, speed and per-peer throughput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from peers._common import setup_logging, stop_event
+from peers.launcher import RoleProcess
+from swarm.config import DemoConfig, NetworkConfig
+from swarm.configuration import parse_role_config
+
+
+def _run_flags(config: DemoConfig) -> List[str]:
+    run, model, opt = config.run, config.run.model, config.run.optimizer
+    return ["--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
+            "--target_batch_size", str(run.target_batch_size), "--num_layers", str(model.num_layers),
+            "--hidden_size", str(model.hidden_size), "--num_heads", str(model.num_heads),
+            "--seq_len", str(model.seq_len), "--vocab_size", str(model.vocab_size), "--lr", str(opt.lr)]
+
+
+def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
+    processes: List[RoleProcess] = []
+    boot = RoleProcess("bootstrap", [], log_dir, "bootstrap")
+    processes.append(boot)
+    maddrs = boot.wait_event("bootstrap_ready", config.startup_timeout_s)["maddrs"]
+    common = [*_run_flags(config), "--initial_peers", ",".join(maddrs)]
+    peers = [RoleProcess("peer", ["--stage", str(stage), *common], log_dir, f"peer_s{stage}_{i}")
+             for stage in range(config.run.num_stages) for i in range(config.peers_per_stage)]
+    processes += peers
+    for peer in peers:  # a replica joining a stage downloads its state first; start trainers once all serve
+        peer.wait_event("peer_ready", config.startup_timeout_s)
+    trainer_flags = ["--duration_s", str(config.duration_s), "--batch_size", str(config.batch_size),
+                     "--max_in_flight", str(config.max_in_flight), "--log_period_s", str(config.log_period_s)]
+    if config.max_data_mb is not None:
+        trainer_flags += ["--max_data_mb", str(config.max_data_mb)]
+    processes += [RoleProcess("train", [*common, *trainer_flags, "--trainer_seed", str(i + 1)], log_dir, f"trainer{i}")
+                  for i in range(config.num_trainers)]
+    return processes
+
+
+def _status_line(elapsed: float, peers: Dict, trainers: Dict) -> str:
+    losses = [t.loss for t in trainers.values() if t.loss is not None]
+    samples_per_s = sum(t.samples_per_s for t in trainers.values())
+    tokens_per_s = sum(t.tokens_per_s for t in trainers.values())
+    loss = f"{sum(losses) / len(losses):.4f}" if losses else "  -   "
+    steps = sorted({p.step for p in peers.values()})
+    per_peer = "  ".join(f"s{p.stage}:{p.peer_id[-4:]} {p.throughput:6.1f}/s q{p.queue_length} {p.samples_processed}"
+                         for p in sorted(peers.values(), key=lambda p: (p.stage, p.peer_id)))
+    return (f"[{elapsed:5.0f}s] loss {loss} | {len(trainers)} trainers {samples_per_s:6.1f} samples/s "
+            f"{tokens_per_s:8.0f} tokens/s | step {steps} | peers (stage:id throughput queue processed) {per_peer}")
+
+
+async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
+    from swarm.dht_io import fetch_records
+    from swarm.records import PeerRecord, TrainerRecord, peers_key, trainers_key
+    from swarm.server.peer import start_dht
+
+    dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True)
+    started = time.monotonic()
+    try:
+        while not stop.is_set() and any(t.proc.poll() is None for t in trainers):
+            try:
+                await asyncio.wait_for(stop.wait(), config.log_period_s)
+            except asyncio.TimeoutError:
+                pass
+            peers = await fetch_records(dht, peers_key(config.run.run_id), PeerRecord)
+            trainer_records = await fetch_records(dht, trainers_key(config.run.run_id), TrainerRecord)
+            print(_status_line(time.monotonic() - started, peers, trainer_records), flush=True)
+    finally:
+        dht.shutdown()
+
+
+async def demo(config: DemoConfig) -> int:
+    stop = stop_event()
+    log_dir = Path(config.work_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"starting a swarm on 127.0.0.1: {config.run.num_stages} stages x {config.peers_per_stage} peers, "
+          f"{config.num_trainers} trainers, {config.duration_s:.0f}s of training; logs in {log_dir}/", flush=True)
+    processes: List[RoleProcess] = []
+    try:
+        processes = await asyncio.get_running_loop().run_in_executor(None, _start_swarm, config, log_dir)
+        maddrs = processes[0].wait_event("bootstrap_ready", 1)["maddrs"]
+        trainers = [p for p in processes if p.role == "train"]
+        await _watch(config, maddrs, trainers, stop)
+        for trainer in trainers:
+            done = [e for e in trainer.seen + list(trainer.events.queue) if e["event"] == "trainer_done"]
+            if done:
+                print(f"{trainer.name}: sent {done[0]['samples_sent']} samples, final loss {done[0]['loss']:.4f}")
+        return 0
+    finally:
+        print("stopping every process of the demo...", flush=True)
+        for process in reversed(processes):
+            process.stop(timeout=15)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    config = parse_role_config(DemoConfig, argv, "swarm demo", "Run a whole swarm on 127.0.0.1 for a while.")
+    setup_logging()
+    return asyncio.run(demo(config))

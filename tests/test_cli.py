@@ -1,0 +1,84 @@
+"""Test 7: every CLI role starts as a subprocess and stops cleanly, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.utils.processes import REPO, TINY_MODEL
+
+
+def group_is_empty(pid: int, timeout: float = 10.0) -> bool:
+    """True once no process of the role's process group (p2pd daemons included) is left."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_help_and_unknown_command():
+    result = subprocess.run([sys.executable, "-m", "peers.cli", "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0
+    for command in ("peer", "train", "bootstrap", "demo", "plan", "simulate"):
+        assert command in result.stdout
+    result = subprocess.run([sys.executable, "-m", "peers.cli", "fly"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "unknown command" in result.stderr
+
+
+def test_bootstrap_and_peer_stop_cleanly_on_sigterm(launcher):
+    boot = launcher.bootstrap()
+    peer = launcher.peer(0)
+    peer.signal(signal.SIGTERM)
+    assert peer.proc.wait(timeout=30) == 0
+    assert peer.wait_event("peer_stopped", timeout=5)["peer_id"]
+    assert group_is_empty(peer.pid), "the peer left processes behind"
+    boot.signal(signal.SIGTERM)
+    assert boot.proc.wait(timeout=30) == 0
+    assert group_is_empty(boot.pid), "the bootstrap left processes behind"
+
+
+def test_trainer_finishes_and_stops_on_sigterm(launcher):
+    launcher.bootstrap()
+    launcher.peer(0)
+    launcher.peer(1)
+    finite = launcher.trainer(extra=["--max_samples", "32"])
+    assert finite.proc.wait(timeout=120) == 0
+    assert finite.wait_event("trainer_done", timeout=5)["samples_sent"] == 32
+    assert group_is_empty(finite.pid)
+    endless = launcher.trainer()
+    endless.wait_event("trainer_ready", timeout=60)
+    time.sleep(2)
+    endless.signal(signal.SIGTERM)
+    assert endless.proc.wait(timeout=60) == 0
+    assert endless.wait_event("trainer_done", timeout=5)["samples_sent"] > 0
+    assert group_is_empty(endless.pid)
+
+
+def test_demo_runs_and_stops_everything(tmp_path):
+    run_id = f"demo{os.getpid()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "peers.cli", "demo", "--duration_s", "10", "--peers_per_stage", "1", "--num_trainers",
+         "1", "--log_period_s", "3", "--max_data_mb", "1", "--target_batch_size", "32", "--run_id", run_id,
+         "--work_dir", str(tmp_path), *TINY_MODEL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output
+    assert "samples/s" in output and "stopping every process" in output
+    assert "trainer0: sent" in output
+    leftovers = subprocess.run(["pgrep", "-f", run_id], capture_output=True, text=True).stdout.split()
+    assert not leftovers, f"demo left processes behind: {leftovers}"
