@@ -74,28 +74,25 @@ class RoleProcess:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def _signal_group(self, sig: int) -> None:
+    def terminate(self) -> None:
+        """SIGTERM the role itself: it leaves gracefully while its own DHT and p2pd still work."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def kill_group(self) -> None:
+        """SIGKILL the whole process group: the role, its p2pd daemon and hivemind's forked helpers."""
         try:
-            os.killpg(self.pid, sig)
+            os.killpg(self.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-    def stop(self, timeout: float = 15.0) -> Optional[int]:
-        """SIGTERM the process group, wait up to ``timeout`` s, then SIGKILL whatever is left of it."""
-        if self.proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        code = self.proc.poll()
-        self._signal_group(signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
         self._log.close()
-        return code
 
 
 class Swarm:
@@ -122,9 +119,18 @@ class Swarm:
                    for i, args in enumerate(stage_args)]
         return [process.wait_event("peer_ready", timeout) for process in started]
 
-    def close(self) -> None:
-        for process in reversed(self.processes):
-            process.stop()
+    def close(self, timeout: float = 15.0) -> None:
+        """SIGTERM every role at once, give them ``timeout`` seconds in all, then SIGKILL every process group."""
+        for process in self.processes:
+            process.terminate()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for process in self.processes:
+            process.kill_group()
 
 
 # ---- CPU accounting over /proc ----

@@ -8,7 +8,8 @@ model and data, and prints a breakdown, then one JSON line as its last line.
 What runs (every process limited to one torch thread; every address is 127.0.0.1):
   (a) single: the whole model (FullModel, the swarm's initialisation) in this process:
       forward and backward per micro-batch, gradients accumulated, an optimizer step every
-      ``target_batch_size`` samples, as the swarm does.
+      ``target_batch_size`` samples, as the swarm does. Half its samples are measured before
+      the swarm starts and half after it stops, because the load of a shared machine drifts.
   (b) swarm: a bootstrap DHT and one stage peer per stage (``--num_threads 1``) as
       subprocesses, one Trainer in this process (``torch.set_num_threads(1)``), measured
       with max_in_flight 1 and 4 (``swarm_tokens_per_s`` and ``ratio`` are for 4, the
@@ -20,18 +21,27 @@ Each measurement is a warm-up, then a fixed number of samples; tokens/s = sample
 seconds from the start of the window to the completion of its last micro-batch.
 
 The breakdown, per micro-batch of the benchmark's shape:
-  compute         median time of the StageRunner calls the peers run, timed in this process
-                  with one thread: stage 0 forward, stage 1 forward+backward, stage 0
+  compute         median CPU time of the StageRunner calls the peers run, timed in this process
+                  with one thread (CPU time, so that other load on the machine does not inflate it): stage 0 forward, stage 1 forward+backward, stage 0
                   backward (which recomputes stage 0's forward: backward is stateless).
   serialization   swarm.wire.encode + decode of the six messages of one micro-batch (three
                   calls, a request and a reply each), timed in this process.
   transfer        each of those three calls replayed one at a time on the idle swarm:
-                  round trip - compute - serialization = protobuf, two p2pd daemons,
-                  loopback TCP, the asyncio and executor hand-offs.
+                  median round trip - compute - serialization = protobuf, two p2pd daemons,
+                  loopback TCP, the asyncio and executor hand-offs (and any contention
+                  while the probe ran).
   waiting         what is left of a micro-batch's latency during training: queueing
                   behind other micro-batches on a peer's single compute thread, and CPU
                   contention (two cores shared by both peers, three p2pd daemons, the trainer,
                   and whatever else the machine runs: the 'machine busy' figure shows it).
+                  It comes out negative when the probe ran under heavier load than training.
+                  'slowdown', split out of it, is how much longer compute took inside the
+                  peers during training (their own throughput EMA) than alone in this process.
+  CPU             CPU seconds of every process the benchmark runs (from /proc), per
+                  micro-batch: on 2 cores, 2 * single-process CPU / swarm CPU bounds the ratio.
+  busy            samples/s of the phase x the peer's compute cost per sample (its EMA over
+                  its last few calls, read at the end of the phase): approximate; above 100%
+                  means compute got slower towards the end of the window.
   rpc_overhead_ms mean round trip of a ``forward`` call to the stage-1 peer carrying one
                   activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
                   minus the compute of that forward (StageRunner.forward on the same tensors,
@@ -53,7 +63,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -82,21 +92,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--batch_size", type=int, default=16, help="samples per micro-batch")
-    parser.add_argument("--samples", type=int, default=256, help="samples per measured window")
+    parser.add_argument("--samples", type=int, default=384, help="samples per measured window")
     parser.add_argument("--in_flight", type=str, default="1,4", help="max_in_flight settings to measure")
     parser.add_argument("--target_batch_size", type=int, default=1_000_000,
                         help="samples per global step; the default means no step while measuring")
-    parser.add_argument("--reps", type=int, default=4, help="repetitions of each local timing and RPC probe")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of each local timing and RPC probe")
     parser.add_argument("--max_data_mb", type=float, default=2.0, help="corpus bytes read (MiB)")
     return parser.parse_args()
 
 
 def median_ms(fn: Callable[[], Any], reps: int) -> float:
+    """Median CPU ms of this thread (torch runs here with one thread): unlike wall time, it does not grow
+    when other processes take the cores, so local figures stay comparable across runs of a shared machine."""
     times = []
     for _ in range(reps):
-        start = time.perf_counter()
+        start = time.thread_time()
         fn()
-        times.append((time.perf_counter() - start) * 1000)
+        times.append((time.thread_time() - start) * 1000)
     return statistics.median(times)
 
 
@@ -159,31 +171,42 @@ def measure_serialization(messages: Dict[str, Tuple[Dict, Dict]], reps: int) -> 
     return result
 
 
-def run_single(run: RunConfig, corpus: Corpus, batch_size: int, warmup: int, samples: int) -> Dict[str, float]:
-    """Train the whole model in this process; tokens/s over ``samples`` after ``warmup`` samples."""
-    model = FullModel(run.model, run.num_stages, run.seed)
-    params = [list(stage.parameters()) for stage in model.stages]
-    optimizers = [make_optimizer(p, run.optimizer) for p in params]
-    sampler = BatchSampler(corpus.train, run.model.seq_len, batch_size, TRAINER_SEED)
-    accumulated = 0
+class SingleProcess:
+    """The whole model trained in this process, from the swarm's initialisation, on the trainer's samples."""
 
-    def micro_batch() -> None:
-        nonlocal accumulated
-        inputs, targets = sampler.sample()
-        model(inputs, targets).backward()
-        accumulated += batch_size
-        if accumulated >= run.target_batch_size:
-            for p, optimizer in zip(params, optimizers):
-                optimizer_step(p, optimizer, run.optimizer)
-            accumulated = 0
+    def __init__(self, run: RunConfig, corpus: Corpus, batch_size: int):
+        self.run, self.batch_size = run, batch_size
+        self.model = FullModel(run.model, run.num_stages, run.seed)
+        self.params = [list(stage.parameters()) for stage in self.model.stages]
+        self.optimizers = [make_optimizer(p, run.optimizer) for p in self.params]
+        self.sampler = BatchSampler(corpus.train, run.model.seq_len, batch_size, TRAINER_SEED)
+        self.accumulated = 0
 
-    for _ in range(max(1, warmup // batch_size)):
-        micro_batch()
-    start = time.perf_counter()
-    for _ in range(samples // batch_size):
-        micro_batch()
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": samples * run.model.seq_len / elapsed, "ms_per_micro_batch": elapsed * 1000 * batch_size / samples}
+    def micro_batch(self) -> None:
+        inputs, targets = self.sampler.sample()
+        self.model(inputs, targets).backward()
+        self.accumulated += self.batch_size
+        if self.accumulated >= self.run.target_batch_size:  # the swarm's rule for a global step
+            for params, optimizer in zip(self.params, self.optimizers):
+                optimizer_step(params, optimizer, self.run.optimizer)
+            self.accumulated = 0
+
+    def measure(self, num_micro_batches: int) -> Dict[str, float]:
+        """Wall and CPU seconds of ``num_micro_batches``, and how busy the whole machine was meanwhile."""
+        start, cpu_start, busy_start = time.perf_counter(), time.thread_time(), machine_busy_seconds()
+        for _ in range(num_micro_batches):
+            self.micro_batch()
+        return {"micro_batches": num_micro_batches, "wall_s": time.perf_counter() - start,
+                "cpu_s": time.thread_time() - cpu_start, "busy_s": machine_busy_seconds() - busy_start}
+
+
+def combine_single(parts: Sequence[Dict[str, float]], batch_size: int, seq_len: int) -> Dict[str, float]:
+    """One figure from the windows measured before and after the swarm (the machine's load drifts)."""
+    num, wall = sum(p["micro_batches"] for p in parts), sum(p["wall_s"] for p in parts)
+    return {"tokens_per_s": num * batch_size * seq_len / wall, "ms_per_micro_batch": wall * 1000 / num,
+            "cpu_ms_per_micro_batch": sum(p["cpu_s"] for p in parts) * 1000 / num,
+            "machine_cores_busy": sum(p["busy_s"] for p in parts) / wall,
+            "tokens_per_s_before_after": [p["micro_batches"] * batch_size * seq_len / p["wall_s"] for p in parts]}
 
 
 # ---- the swarm ----
@@ -281,8 +304,8 @@ async def time_call(trainer: Trainer, peer_id: str, method: str, message: Dict[s
 
 
 async def probe_rpc(trainer: Trainer, peers: Dict[int, str], messages: Dict[str, Tuple[Dict, Dict]], reps: int
-                    ) -> Dict[str, float]:
-    """Mean round trip (ms) of each call on the idle swarm, one call at a time, and of 'info'."""
+                    ) -> Dict[str, Dict[str, float]]:
+    """Mean and median round trip (ms) of each call on the idle swarm, one call at a time, and of 'info'."""
     times: Dict[str, List[float]] = {name: [] for name in (*CALLS, "forward1", "info")}
     for rep in range(reps + 1):  # the first round warms up the connections
         for name in times:
@@ -294,7 +317,8 @@ async def probe_rpc(trainer: Trainer, peers: Dict[int, str], messages: Dict[str,
             elapsed = await time_call(trainer, peers[stage], method, message)
             if rep:
                 times[name].append(elapsed)
-    return {name: statistics.mean(values) for name, values in times.items()}
+    return {"mean": {name: statistics.mean(values) for name, values in times.items()},
+            "median": {name: statistics.median(values) for name, values in times.items()}}
 
 
 async def peer_info(trainer: Trainer, peers: Dict[int, str]) -> Dict[int, Dict[str, Any]]:
@@ -321,40 +345,66 @@ async def measure_swarm(run: RunConfig, args: argparse.Namespace, swarm: Swarm, 
 
 # ---- report ----
 
-def decompose(latency_ms: float, compute: Dict[str, float], ser: Dict[str, float], transfer: Dict[str, float]
-              ) -> Dict[str, float]:
-    parts = {"compute": sum(compute[c] for c in CALLS), "serialization": sum(ser[c] for c in CALLS),
-             "transfer": sum(transfer[c] for c in CALLS)}
-    parts["waiting"] = latency_ms - sum(parts.values())
+def peer_compute_ms(phase: Dict[str, Any], batch: int) -> float:
+    """Compute per micro-batch as the peers measured it during the phase (their throughput EMA), both stages."""
+    throughputs = [info["throughput"] for info in phase["peer_info"].values()]
+    return sum(batch * 1000 / t for t in throughputs) if all(throughputs) else float("nan")
+
+
+def decompose(phase: Dict[str, Any], batch: int, compute: Dict[str, float], ser: Dict[str, float],
+              transfer: Dict[str, float]) -> Dict[str, float]:
+    """A micro-batch's mean latency, split into the parts the module docstring defines; 'slowdown' is how
+    much longer the peers' compute took during the phase (their own EMA) than alone in this process."""
+    local = sum(compute[c] for c in CALLS)
+    parts = {"compute": local, "slowdown": peer_compute_ms(phase, batch) - local,
+             "serialization": sum(ser[c] for c in CALLS), "transfer": sum(transfer[c] for c in CALLS)}
+    parts["waiting"] = phase["latency_ms"] - sum(parts.values())
     return parts
 
 
 def print_local(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], ser: Dict[str, float],
-                single: Dict[str, float], activation_bytes: int) -> None:
+                activation_bytes: int) -> None:
     m = run.model
     print(f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, seq_len {m.seq_len}; "
           f"micro-batch {args.batch_size} ({args.batch_size * m.seq_len} tokens); {args.samples} samples per "
           f"measured window after a warm-up; target_batch_size {run.target_batch_size}")
-    print("compute per micro-batch (StageRunner in this process, 1 thread, median):")
+    print("compute per micro-batch (StageRunner in this process, 1 thread, median CPU time):")
     print(f"  stage 0 forward                  {compute['forward0']:8.1f} ms")
     print(f"  stage 0 backward (+ recompute)   {compute['backward0']:8.1f} ms")
     print(f"  stage 1 forward+backward         {compute['backward1']:8.1f} ms")
     print(f"  stage 1 forward only             {compute['forward1']:8.1f} ms")
     print(f"  optimizer step, both stages      {compute['optimizer_step']:8.1f} ms (not in any measured window)")
-    stage0, stage1 = compute["forward0"] + compute["backward0"], compute["backward1"]
-    print(f"single process: {single['ms_per_micro_batch']:.1f} ms per micro-batch, {single['tokens_per_s']:.0f} tokens/s")
-    print(f"pipeline bound on 2 cores with zero overhead: single / max(stage 0 {stage0:.0f}, stage 1 {stage1:.0f} ms) "
-          f"= {single['ms_per_micro_batch'] / max(stage0, stage1):.2f} (stage 0 pays a second forward)")
+    print(f"pipeline bound with zero overhead: (stage 0 backward + stage 1 forward+backward) / max(stage 0 "
+          f"{compute['forward0'] + compute['backward0']:.0f}, stage 1 {compute['backward1']:.0f} ms) = "
+          f"{pipeline_bound(compute):.2f}, not 2.0: stage 0 runs its forward twice (stateless backward)")
     print(f"serialization per micro-batch (encode+decode of 6 messages, 4 of them carry an activation of "
           f"{activation_bytes / 2**20:.2f} MiB): {sum(ser[c] for c in CALLS):.1f} ms")
 
 
-def print_probe(probe: Dict[str, float], compute: Dict[str, float], ser: Dict[str, float]) -> None:
-    print("RPC on the idle swarm, one call at a time (mean round trip = compute + serialization + transfer):")
-    print(f"  info (a small record)            {probe['info']:8.1f} ms")
+def pipeline_bound(compute: Dict[str, float]) -> float:
+    """Best swarm/single ratio of a 2-stage pipeline with free communication, from local timings only:
+    one process runs stage 0's backward (its forward included) and stage 1's forward+backward; the
+    pipeline runs as fast as its slower stage, and stage 0 also runs the forward pass once more."""
+    single = compute["backward0"] + compute["backward1"]
+    return single / max(compute["forward0"] + compute["backward0"], compute["backward1"])
+
+
+def print_single(single: Dict[str, float]) -> None:
+    before, after = single["tokens_per_s_before_after"]
+    print(f"single process: {single['tokens_per_s']:.0f} tokens/s ({before:.0f} before the swarm, {after:.0f} after); "
+          f"{single['ms_per_micro_batch']:.0f} ms per micro-batch ({single['cpu_ms_per_micro_batch']:.0f} CPU ms); the "
+          f"whole machine had {single['machine_cores_busy']:.2f} of {os.cpu_count()} cores busy meanwhile")
+
+
+def print_probe(probe: Dict[str, Dict[str, float]], compute: Dict[str, float], ser: Dict[str, float]) -> None:
+    mean, median = probe["mean"], probe["median"]
+    print("RPC on the idle swarm, one call at a time; mean (median) round trip = compute + serialization + "
+          "transfer (from the median):")
+    print(f"  info (a small record)            {mean['info']:7.1f} ({median['info']:.1f}) ms")
     for name in (*CALLS, "forward1"):
-        transfer = probe[name] - compute[name] - ser[name]
-        print(f"  {name:<32} {probe[name]:8.1f} ms = {compute[name]:.1f} + {ser[name]:.1f} + {transfer:.1f}")
+        transfer = median[name] - compute[name] - ser[name]
+        print(f"  {name:<32} {mean[name]:7.1f} ({median[name]:.1f}) ms = {compute[name]:.1f} + {ser[name]:.1f} + "
+              f"{transfer:.1f}")
 
 
 def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str, float], batch: int) -> None:
@@ -365,11 +415,17 @@ def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str
     print(f"  mean call ms: {calls}")
     print(f"  latency {phase['latency_ms']:.0f} ms = " + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()))
     for stage, info in phase["peer_info"].items():
-        busy = phase["samples_per_s"] / info["throughput"] if info["throughput"] else float("nan")
-        print(f"  stage {stage}: peer's own compute EMA {batch / info['throughput'] * 1000 if info['throughput'] else float('nan'):.0f}"
-              f" ms per micro-batch, busy {busy:.0%} of the window")
-    cpu = phase["cpu_s_per_micro_batch"]
-    print("  CPU ms per micro-batch: " + ", ".join(f"{k} {v * 1000:.0f}" for k, v in sorted(cpu.items()) if k != "machine"))
+        rate = info["throughput"] or float("nan")
+        print(f"  stage {stage}: the peer's own compute EMA {batch / rate * 1000:.0f} ms per micro-batch, "
+              f"busy {phase['samples_per_s'] / rate:.0%} of the window")
+    cpu = {k: v * 1000 for k, v in phase["cpu_s_per_micro_batch"].items() if k != "machine"}
+    print("  CPU ms per micro-batch: " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(cpu.items())))
+    total, p2pd = sum(cpu.values()), sum(v for k, v in cpu.items() if k.endswith("p2pd"))
+    dht = sum(v for k, v in cpu.items() if k.endswith("helpers") or k == "bootstrap python")
+    print(f"  CPU per micro-batch, all our processes: {total:.0f} ms ({p2pd:.0f} in p2pd daemons, {dht:.0f} in "
+          f"hivemind's DHT processes) vs "
+          f"{single['cpu_ms_per_micro_batch']:.0f} single: on {os.cpu_count()} cores the ratio cannot exceed "
+          f"{os.cpu_count() * single['cpu_ms_per_micro_batch'] / total:.2f}")
     cores = phase["cores_busy"]
     print(f"  cores busy: this benchmark's processes {cores['ours']:.2f}, the whole machine {cores['machine']:.2f} "
           f"(of {os.cpu_count()})")
@@ -395,8 +451,12 @@ def main() -> int:
     compute, tensors = measure_compute(run, tokens, targets, args.reps)
     messages = call_messages(tensors)
     ser = measure_serialization(messages, args.reps)
-    single = run_single(run, corpus, args.batch_size, 2 * args.batch_size, args.samples)
-    print_local(run, args, compute, ser, single, tensors.hidden.numel() * 4)
+    single = SingleProcess(run, corpus, args.batch_size)
+    for _ in range(2):  # warm-up
+        single.micro_batch()
+    half = max(1, args.samples // args.batch_size // 2)
+    single_parts = [single.measure(half)]
+    print_local(run, args, compute, ser, tensors.hidden.numel() * 4)
     sys.stdout.flush()
 
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as log_dir:
@@ -408,19 +468,24 @@ def main() -> int:
             result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages))
         finally:
             swarm.close()
-    return report(run, args, compute, ser, single, result, time.perf_counter() - started)
+    single_parts.append(single.measure(half))
+    single_result = combine_single(single_parts, args.batch_size, model.seq_len)
+    return report(run, args, compute, ser, single_result, result, time.perf_counter() - started)
 
 
 def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], ser: Dict[str, float],
            single: Dict[str, float], result: Dict[str, Any], wall_s: float) -> int:
     probe = result["probe"]
+    print_single(single)
     print_probe(probe, compute, ser)
-    transfer = {name: probe[name] - compute[name] - ser[name] for name in probe if name != "info"}
-    rpc_overhead_ms = probe["forward1"] - compute["forward1"]
-    print(f"rpc_overhead_ms (forward to stage 1 with one activation, minus its compute): {rpc_overhead_ms:.1f}")
+    median = probe["median"]
+    transfer = {name: median[name] - compute[name] - ser[name] for name in median if name != "info"}
+    rpc_overhead_ms = probe["mean"]["forward1"] - compute["forward1"]
+    print(f"rpc_overhead_ms (mean forward to stage 1 carrying one activation, minus its compute): "
+          f"{rpc_overhead_ms:.1f} (from the median: {median['forward1'] - compute['forward1']:.1f})")
     by_in_flight = {}
     for phase in result["phases"]:
-        parts = decompose(phase["latency_ms"], compute, ser, transfer)
+        parts = decompose(phase, args.batch_size, compute, ser, transfer)
         print_phase(phase, single, parts, args.batch_size)
         by_in_flight[str(phase["in_flight"])] = {
             "tokens_per_s": round(phase["tokens_per_s"], 1), "ratio": round(phase["tokens_per_s"] / single["tokens_per_s"], 3),
@@ -435,9 +500,11 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         "compute_ms": {k: round(v, 1) for k, v in compute.items()},
         "serialization_ms_per_micro_batch": round(sum(ser[c] for c in CALLS), 1),
         "transfer_ms_per_micro_batch": round(sum(transfer[c] for c in CALLS), 1),
-        "rpc_info_ms": round(probe["info"], 1),
-        "pipeline_bound_ratio": round(single["ms_per_micro_batch"] / max(compute["forward0"] + compute["backward0"],
-                                                                          compute["backward1"]), 3),
+        "rpc_overhead_ms_median": round(median["forward1"] - compute["forward1"], 1),
+        "rpc_info_ms": round(probe["mean"]["info"], 1),
+        "pipeline_bound_ratio": round(pipeline_bound(compute), 3),
+        "single_machine_cores_busy": round(single["machine_cores_busy"], 2),
+        "single_tokens_per_s_before_after": [round(v, 1) for v in single["tokens_per_s_before_after"]],
         "model": dataclasses.asdict(run.model), "batch_size": args.batch_size, "samples": args.samples,
         "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}))
     return 0

@@ -80,6 +80,7 @@ class PeerConfig:
     leave_timeout_s: float = 10.0  # seconds a leaving peer waits for in-flight requests (SIGTERM)
     checkpoint_dir: Optional[str] = None  # where to checkpoint the stage's state; None = no checkpoints
     checkpoint_period_s: float = 30.0  # seconds between checkpoints
+    reinitialize: bool = False  # start a stage from its initialisation although the run is past step 0 and no replica or checkpoint has it
     rebalance: bool = False  # move to the bottleneck stage when the policy says so
     rebalance_policy: RebalanceConfig = field(default_factory=RebalanceConfig)
     run: RunConfig = field(default_factory=RunConfig)

@@ -24,6 +24,7 @@ NAMESPACE = "swarm"
 STREAM_THRESHOLD_BYTES = 2 * 2**20  # unary below this, chunked stream above (p2pd caps unary at 4 MiB)
 CHUNK_BYTES = 2 * 2**20
 UNARY_REPLY_LIMIT_BYTES = 3 * 2**20 + 2**19
+DRAIN_LIMIT_FACTOR = 4  # an oversized request is read (and dropped) up to this many times the limit
 
 Handler = Callable[[Dict[str, Any], str], Awaitable[Mapping[str, Any]]]
 
@@ -81,10 +82,14 @@ class RPCServicer(ServicerBase):
         async for request in requests:
             method = method or request.uid
             size += len(request.metadata)
-            if size > self.max_message_bytes:
-                reply = encode({"error": f"message exceeds {self.max_message_bytes} bytes", "kind": "bad_request"})
-                break
-            parts.append(request.metadata)
+            if size <= self.max_message_bytes:
+                parts.append(request.metadata)
+            elif size > DRAIN_LIMIT_FACTOR * self.max_message_bytes:
+                break  # stop reading: the caller's stream is reset, which is all an abuser deserves
+            # else: keep reading (and discarding) so that the caller gets our answer, not a reset stream
+        if size > self.max_message_bytes:
+            reply = encode({"error": f"message of {size}+ bytes exceeds this peer's limit of {self.max_message_bytes} bytes",
+                            "kind": "bad_request"})
         else:
             reply = await self._dispatch(method or "", b"".join(parts), context.remote_id)
         for chunk in _chunks(reply):

@@ -130,3 +130,18 @@ def test_next_period_within_jitter_and_seeded():
 def test_config_validation_names_field(field, value):
     with pytest.raises(ValueError, match=field):
         RebalanceConfig(**{field: value})
+
+
+def test_mover_is_stable_under_measurement_noise():
+    """Throughputs are noisy EMAs; the peer named to move must not change from snapshot to snapshot,
+    since each peer acts only on its own tick (otherwise a move can wait many periods)."""
+    rng = random.Random(0)
+    config = RebalanceConfig(min_gain=0.05, max_movers_per_period=1)
+    named = set()
+    for _ in range(50):
+        peers = [PeerInfo(name, 0, "online", 32.0 * rng.uniform(0.9, 1.1)) for name in ("p1", "p2", "p3")]
+        peers.append(PeerInfo("p4", 1, "online", 36.0 * rng.uniform(0.9, 1.1)))
+        moves = plan_moves(peers, 2, config)
+        assert len(moves) == 1 and moves[0][1:] == (0, 1)
+        named.add(moves[0][0])
+    assert named == {"p1"}

@@ -146,6 +146,19 @@ def _improves(new_sorted: Sequence[float], old_sorted: Sequence[float], min_gain
     return False
 
 
+SIMILAR_THROUGHPUT = 1.25  # throughputs within this factor count as equal when picking who moves
+
+
+def _stable_pick(candidates: List[Tuple[float, str]], throughput: float) -> Tuple[float, str]:
+    """Among the candidates whose throughput is within SIMILAR_THROUGHPUT of ``throughput``, the one
+    with the smallest peer id. Measured throughputs are noisy EMAs: picking the exact best would
+    name a different peer in every snapshot, and since each peer acts only on its own jittered tick
+    a move could wait many periods for the named peer's tick to coincide with it being named."""
+    lo = bisect.bisect_left(candidates, (throughput / SIMILAR_THROUGHPUT, ""))
+    hi = bisect.bisect_right(candidates, (throughput * SIMILAR_THROUGHPUT, "\uffff"))
+    return min(candidates[lo:hi], key=lambda c: c[1])
+
+
 def _best_move(capacities: List[float], movable: Dict[int, List[Tuple[float, str]]], num_online: List[int],
                bottleneck: int, min_gain: float) -> Optional[Tuple[str, int, float]]:
     """The single move into ``bottleneck`` that best improves the leximin capacity vector.
@@ -162,9 +175,7 @@ def _best_move(capacities: List[float], movable: Dict[int, List[Tuple[float, str
         half = (capacities[source] - capacities[bottleneck]) / 2.0
         i = bisect.bisect_left(candidates, (half, ""))
         for j in {max(0, i - 1), min(i, len(candidates) - 1)}:
-            throughput = candidates[j][0]
-            first = bisect.bisect_left(candidates, (throughput, ""))  # equal throughputs: smallest id
-            peer_id = candidates[first][1]
+            throughput, peer_id = _stable_pick(candidates, candidates[j][0])
             new = list(capacities)
             new[source] -= throughput
             new[bottleneck] += throughput

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
@@ -20,10 +21,11 @@ from hivemind.utils import get_logger
 from swarm import PROTOCOL_VERSION
 from swarm.config import PeerConfig
 from swarm.dht_io import fetch_records, store_record
-from swarm.policy.rebalance import choose_stage_for_new_peer
+from swarm.policy.rebalance import choose_stage_for_new_peer, decide_move, next_period_s
 from swarm.records import PeerRecord, peers_key, to_peer_infos
 from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
 from swarm.server.averaging import StageAverager
+from swarm.server.checkpoints import checkpoint_path, load_checkpoint, save_checkpoint
 from swarm.server.runner import StageRunner
 
 __all__ = ["StagePeer", "start_dht"]
@@ -61,7 +63,9 @@ class StagePeer:
         # set when gradients arrive: one wakes the announcer, the other the coordinator
         self._progress = {"announce": asyncio.Event(), "coordinate": asyncio.Event()}
         self._tasks: List[asyncio.Task] = []
-        self._stopping = asyncio.Event()
+        self._coordinator: Optional[asyncio.Task] = None
+        self._stopping = asyncio.Event()  # the peer is leaving the swarm
+        self._stage_done = asyncio.Event()  # the peer is leaving its current stage (to move, or to leave)
 
     @property
     def peer_id(self) -> str:
@@ -73,20 +77,30 @@ class StagePeer:
         torch.set_num_threads(self.config.num_threads)
         if self.dht is None:
             self.dht = start_dht(self.config.network)
-        self.stage = await self._choose_stage()
-        self.runner = StageRunner(self.run, self.stage, self.config.device, self.config.slowdown)
-        self.averager = self._make_averager()
-        await self._announce()
-        await self._join_stage()
+        await self._serve_stage(await self._choose_stage())
         p2p = await self.dht.replicate_p2p()
         handlers = {"forward": self._rpc_forward, "backward": self._rpc_backward, "info": self._rpc_info,
                     "parameters": self._rpc_parameters}
         self.servicer = RPCServicer(handlers, max_message_bytes=int(self.config.max_message_mb * 2**20))
         await self.servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
-        self.state = "online"
+        self._tasks = [asyncio.create_task(self._announce_loop())]
+        if self.config.checkpoint_dir:
+            self._tasks.append(asyncio.create_task(self._checkpoint_loop()))
+        if self.config.rebalance:
+            self._tasks.append(asyncio.create_task(self._rebalance_loop()))
+
+    async def _serve_stage(self, stage: int) -> None:
+        """Take up ``stage``: build its module, get its current state, go online, start stepping."""
+        self.stage, self.state, self.contributors = stage, "joining", {}
+        self.runner = StageRunner(self.run, stage, self.config.device, self.config.slowdown)
+        self.averager = self._make_averager()
         await self._announce()
-        self._tasks = [asyncio.create_task(self._announce_loop()), asyncio.create_task(self._coordinate_loop())]
-        logger.info(f"peer {self.peer_id} serves stage {self.stage} of run {self.run.run_id} at step {self.runner.step}")
+        await self._join_stage()
+        self.state = "online"
+        self._stage_done = asyncio.Event()
+        self._coordinator = asyncio.create_task(self._coordinate_loop())
+        await self._announce()
+        logger.info(f"peer {self.peer_id} serves stage {stage} of run {self.run.run_id} at step {self.runner.step}")
 
     async def _choose_stage(self) -> int:
         if self.config.stage != "auto":
@@ -109,11 +123,91 @@ class StagePeer:
         return self.runner.state_metadata(), self.runner.state_tensors()
 
     async def _join_stage(self) -> None:
-        """Download the stage's state from live replicas before serving; a lone first replica keeps its init."""
-        others = [r for r in (await self._stage_records()).values() if r.state == "online" and r.peer_id != self.peer_id]
-        if others and not await self._download_state():
-            raise RuntimeError(f"could not download stage {self.stage} state from any of {len(others)} replicas")
+        """Get the stage's current state before serving: from live replicas if there are any, else
+        from this peer's checkpoint; a stage is started from its initialisation only at step 0 (or
+        with ``reinitialize``), never silently in the middle of a run."""
+        records = await self._peer_records()
+        others = [r for r in records.values() if r.stage == self.stage and r.state == "online" and r.peer_id != self.peer_id]
+        if others:
+            if not await self._download_state():
+                raise RuntimeError(f"could not download stage {self.stage} state from any of {len(others)} replicas")
+        elif not await self._restore_checkpoint():
+            run_step = max((r.step for r in records.values()), default=0)
+            if run_step > 0 and not self.config.reinitialize:
+                raise RuntimeError(
+                    f"stage {self.stage} has no live replica and no checkpoint in {self.config.checkpoint_dir!r}, "
+                    f"but the run is at step {run_step}: pass --checkpoint_dir with this stage's checkpoint, or "
+                    f"--reinitialize true to restart the stage from scratch")
         self.averager.allow_state_sharing = True
+
+    async def _restore_checkpoint(self) -> bool:
+        if not self.config.checkpoint_dir:
+            return False
+        path = checkpoint_path(self.config.checkpoint_dir, self.run.run_id, self.stage)
+        loaded = await asyncio.get_running_loop().run_in_executor(None, load_checkpoint, path, self.run.run_id, self.stage)
+        if loaded is None:
+            return False
+        await self._compute(self.runner.load_state, *loaded)
+        logger.info(f"stage {self.stage}: restored from checkpoint {path} at step {self.runner.step}")
+        return True
+
+    async def save_checkpoint(self) -> Optional[Path]:
+        if not self.config.checkpoint_dir or self.runner is None or self.state != "online":
+            return None
+        path = checkpoint_path(self.config.checkpoint_dir, self.run.run_id, self.stage)
+        metadata, tensors = await self._compute(self._shared_state)
+        await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, path, self.run.run_id, metadata, tensors)
+        return path
+
+    async def _checkpoint_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self._sleep_or_progress(None, self.config.checkpoint_period_s, self.config.checkpoint_period_s)
+            try:
+                await self.save_checkpoint()
+            except Exception:
+                logger.exception("checkpoint failed")
+
+    # ---- rebalancing ----
+
+    async def _rebalance_loop(self) -> None:
+        """Every (jittered) period, ask the shared pure policy whether this peer should move."""
+        rng = random.Random(self.peer_id)
+        while not self._stopping.is_set():
+            if self.runner.meter.samples_per_s <= 0:  # decide on measured throughput only: wait for real work
+                await self._sleep_or_progress(None, 0.5, 0.5)
+                continue
+            await self._sleep_or_progress(None, next_period_s(self.config.rebalance_policy, rng), 0.0)
+            if self._stopping.is_set() or self.state != "online":
+                continue
+            snapshot = to_peer_infos(await self._peer_records(), self.run.num_stages)
+            target = decide_move(snapshot, self.peer_id, self.run.num_stages, self.config.rebalance_policy)
+            if target is not None and target != self.stage:
+                try:
+                    await self.move_to(target)
+                except Exception:
+                    logger.exception(f"moving to stage {target} failed; leaving the swarm")
+                    self._stopping.set()
+
+    async def move_to(self, stage: int) -> None:
+        """Leave the current stage gracefully and serve ``stage``, after downloading its state."""
+        logger.info(f"rebalancing: moving from stage {self.stage} to stage {stage}")
+        await self._leave_stage()
+        self.averager.shutdown()
+        await self._serve_stage(stage)
+
+    async def _leave_stage(self) -> None:
+        """Refuse new work, let work in flight and any averaging round finish, then announce 'leaving'."""
+        self.state = "leaving"
+        self._stage_done.set()
+        deadline = time.monotonic() + self.config.leave_timeout_s
+        while self._in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._coordinator is not None:
+            try:  # the coordinator stops between averaging rounds, never in the middle of one
+                await asyncio.wait_for(self._coordinator, timeout=max(0.1, deadline - time.monotonic()))
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                self._coordinator.cancel()
+        await self._announce()
 
     async def _download_state(self) -> bool:
         deadline = time.monotonic() + self.config.state_download_timeout_s
@@ -133,24 +227,20 @@ class StagePeer:
         return False
 
     async def leave(self) -> None:
-        """Graceful leave (SIGTERM): refuse new work, finish what is in flight, announce, shut down."""
-        if self.state == "leaving":
+        """Graceful leave (SIGTERM): refuse new work, finish what is in flight, checkpoint, announce, shut down."""
+        if self._stopping.is_set():
             return
-        self.state = "leaving"
         self._stopping.set()
-        deadline = time.monotonic() + self.config.leave_timeout_s
-        while self._in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for task in self._tasks:  # the coordinator stops between averaging rounds (see _coordinate_loop)
+        if self.state == "online":
             try:
-                await asyncio.wait_for(task, timeout=max(0.1, deadline - time.monotonic()))
-            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
-                task.cancel()
-        await self._announce()
+                await self.save_checkpoint()
+            except Exception:
+                logger.exception("final checkpoint failed")
+        await self._leave_stage()
         self.shutdown()
 
     def shutdown(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks + ([self._coordinator] if self._coordinator else []):
             task.cancel()
         if self.averager is not None and self.averager.is_alive():
             self.averager.shutdown()
@@ -266,12 +356,14 @@ class StagePeer:
             await self._sleep_or_progress("announce", FAST_ANNOUNCE_S if near else self.config.announce_period_s,
                                           FAST_ANNOUNCE_S)
 
-    async def _sleep_or_progress(self, waker: str, period_s: float, min_period_s: float) -> None:
+    async def _sleep_or_progress(self, waker: Optional[str], period_s: float, min_period_s: float) -> None:
         """Wait ``period_s``, or less (but at least ``min_period_s``) when gradients arrive; stop on leave."""
         started = time.monotonic()
-        event = self._progress[waker]
-        event.clear()
-        waiters = {asyncio.ensure_future(self._stopping.wait()), asyncio.ensure_future(event.wait())}
+        events = [self._stopping, self._stage_done] if waker == "coordinate" else [self._stopping]
+        if waker is not None:
+            self._progress[waker].clear()
+            events.append(self._progress[waker])
+        waiters = {asyncio.ensure_future(event.wait()) for event in events}
         try:
             await asyncio.wait(waiters, timeout=period_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -291,7 +383,7 @@ class StagePeer:
 
     async def _coordinate_loop(self) -> None:
         """Every poll period: catch up if behind, and run a global step once the stage has the global batch."""
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._stage_done.is_set():
             try:
                 await self._coordinate_once()
             except Exception:

@@ -1,0 +1,44 @@
+"""Periodic on-disk checkpoints of a stage's state, so a stage that lost every replica can resume.
+
+A checkpoint holds what a joining replica would download from a live one (parameters, AdamW
+moments, step) plus the run id, so a peer never restores another run's or another stage's state.
+Writes are atomic (temporary file, then rename): a peer killed mid-write leaves the last good one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint"]
+
+
+def checkpoint_path(directory: str, run_id: str, stage: int) -> Path:
+    return Path(directory) / f"{run_id}_stage{stage}.pt"
+
+
+def save_checkpoint(path: Path, run_id: str, metadata: Dict[str, int], tensors: List[torch.Tensor]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"run_id": run_id, "metadata": dict(metadata), "tensors": tensors}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, run_id: str, stage: int) -> Optional[Tuple[Dict[str, int], List[torch.Tensor]]]:
+    """The (metadata, tensors) stored at ``path``, or None if there is none; ValueError if it is foreign or corrupt."""
+    if not path.exists():
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from None
+    if not isinstance(payload, dict) or payload.get("run_id") != run_id:
+        raise ValueError(f"checkpoint {path} belongs to run {payload.get('run_id') if isinstance(payload, dict) else '?'}, "
+                         f"not {run_id}")
+    metadata, tensors = payload.get("metadata"), payload.get("tensors")
+    if not isinstance(metadata, dict) or metadata.get("stage") != stage or not isinstance(tensors, list):
+        raise ValueError(f"checkpoint {path} does not hold stage {stage}")
+    return metadata, tensors
