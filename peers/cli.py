@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "train": ("peers.trainer", "push micro-batches through the swarm"),
     "bootstrap": ("peers.bootstrap", "run a DHT entry point for others to join"),
     "demo": ("peers.demo", "start a whole swarm on 127.0.0.1 and train for a while"),
+    "status": ("peers.status", "watch a run's peers and trainers from the DHT"),
     "plan": ("peers.plan", "allocate stages over a heterogeneous network"),
     "simulate": ("peers.simulate", "discrete-event simulation of a swarm under churn"),
 }

@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from peers._common import setup_logging, stop_event
 from peers.launcher import RoleProcess
+from peers.status import status_line
 from swarm.config import DemoConfig, NetworkConfig
 from swarm.configuration import parse_role_config
 
@@ -46,21 +47,7 @@ def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
     return processes
 
 
-def _status_line(elapsed: float, peers: Dict, trainers: Dict) -> str:
-    losses = [t.loss for t in trainers.values() if t.loss is not None]
-    samples_per_s = sum(t.samples_per_s for t in trainers.values())
-    tokens_per_s = sum(t.tokens_per_s for t in trainers.values())
-    loss = f"{sum(losses) / len(losses):.4f}" if losses else "  -   "
-    steps = sorted({p.step for p in peers.values()})
-    per_peer = "  ".join(f"s{p.stage}:{p.peer_id[-4:]} {p.throughput:6.1f}/s q{p.queue_length} {p.samples_processed}"
-                         for p in sorted(peers.values(), key=lambda p: (p.stage, p.peer_id)))
-    return (f"[{elapsed:5.0f}s] loss {loss} | {len(trainers)} trainers {samples_per_s:6.1f} samples/s "
-            f"{tokens_per_s:8.0f} tokens/s | step {steps} | peers (stage:id throughput queue processed) {per_peer}")
-
-
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
-    from swarm.dht_io import fetch_records
-    from swarm.records import PeerRecord, TrainerRecord, peers_key, trainers_key
     from swarm.server.peer import start_dht
 
     dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True)
@@ -71,9 +58,7 @@ async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleP
                 await asyncio.wait_for(stop.wait(), config.log_period_s)
             except asyncio.TimeoutError:
                 pass
-            peers = await fetch_records(dht, peers_key(config.run.run_id), PeerRecord)
-            trainer_records = await fetch_records(dht, trainers_key(config.run.run_id), TrainerRecord)
-            print(_status_line(time.monotonic() - started, peers, trainer_records), flush=True)
+            print(await status_line(dht, config.run.run_id, time.monotonic() - started), flush=True)
     finally:
         dht.shutdown()
 

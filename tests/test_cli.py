@@ -29,7 +29,7 @@ def test_help_and_unknown_command():
     result = subprocess.run([sys.executable, "-m", "peers.cli", "--help"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0
-    for command in ("peer", "train", "bootstrap", "demo", "plan", "simulate"):
+    for command in ("peer", "train", "bootstrap", "demo", "status", "plan", "simulate"):
         assert command in result.stdout
     result = subprocess.run([sys.executable, "-m", "peers.cli", "fly"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
@@ -56,6 +56,12 @@ def test_trainer_finishes_and_stops_on_sigterm(launcher):
     assert finite.proc.wait(timeout=120) == 0
     assert finite.wait_event("trainer_done", timeout=5)["samples_sent"] == 32
     assert group_is_empty(finite.pid)
+    status = launcher.start("status", ["--run_id", launcher.run_id, "--initial_peers", ",".join(launcher.initial_peers),
+                                       "--count", "1", "--period_s", "1"])
+    assert status.proc.wait(timeout=60) == 0
+    line = "".join(status.stdout_lines)
+    assert "1 trainers" in line and "s0:" in line and "s1:" in line, line
+    assert group_is_empty(status.pid)
     endless = launcher.trainer()
     endless.wait_event("trainer_ready", timeout=60)
     time.sleep(2)

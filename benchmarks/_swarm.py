@@ -1,0 +1,144 @@
+"""Shared helpers of the live churn and rebalance benchmarks (``churn.py``, ``rebalance.py``).
+
+A :class:`LiveSwarm` starts a bootstrap DHT, stage peers and trainers as subprocesses (one
+process group each, every address 127.0.0.1) with :class:`peers.launcher.RoleProcess`, and a
+:class:`tests.utils.probe.Probe` that reads the run's DHT records from this process.
+``close()`` stops every one of them: SIGTERM to all at once, a bounded wait, then SIGKILL of
+every process group (the role, its p2pd daemon and hivemind's forked helpers).
+
+Every network wait here is bounded: role events by ``timeout``, DHT reads by
+:func:`swarm.dht_io.fetch_records` (5 s) and :func:`wait_for` by its own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from peers.launcher import RoleProcess  # noqa: E402
+from swarm.dht_io import fetch_records  # noqa: E402
+from swarm.records import PeerRecord, TrainerRecord, trainers_key  # noqa: E402
+from tests.utils.probe import Probe, online  # noqa: E402
+from tests.utils.processes import FAST_PEER, TINY_MODEL  # noqa: E402
+
+__all__ = ["LiveSwarm", "FAST_PEER", "TINY_MODEL", "online", "accounted", "log", "make_log_dir",
+           "install_signal_handlers", "counts", "Snapshot"]
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+_T0 = time.monotonic()
+
+
+def log(message: str) -> None:
+    """A progress line on stdout, with seconds since the script started."""
+    print(f"[{time.monotonic() - _T0:7.1f}s] {message}", flush=True)
+
+
+def make_log_dir(given: Optional[str], prefix: str) -> Path:
+    path = Path(given) if given else Path(tempfile.mkdtemp(prefix=prefix))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM behaves like Ctrl-C, so that the ``finally`` blocks stop every process."""
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, _raise)
+
+
+def accounted(records: Dict[str, PeerRecord], stage: int) -> int:
+    """Samples a stage accounts for: max samples_applied over its online replicas + their pending + frozen."""
+    replicas = online(records, stage)
+    if not replicas:
+        return 0
+    return max(r.samples_applied for r in replicas) + sum(r.samples_pending + r.samples_frozen for r in replicas)
+
+
+def counts(records: Dict[str, PeerRecord], num_stages: int = 2) -> Tuple[int, ...]:
+    return tuple(len(online(records, s)) for s in range(num_stages))
+
+
+class Snapshot:
+    """One read of the run's DHT: peer records and trainer records, and when."""
+
+    def __init__(self, t: float, peers: Dict[str, PeerRecord], trainers: Dict[str, TrainerRecord]):
+        self.t, self.peers, self.trainers = t, peers, trainers
+
+
+class LiveSwarm:
+    """A bootstrap, peers and trainers of one run on 127.0.0.1; ``close()`` stops all of them."""
+
+    def __init__(self, log_dir: Path, run_id: str, run_args: Sequence[str], peer_args: Sequence[str],
+                 trainer_args: Sequence[str]):
+        self.log_dir, self.run_id = log_dir, run_id
+        self.run_args, self.peer_args, self.trainer_args = list(run_args), list(peer_args), list(trainer_args)
+        self.processes: List[RoleProcess] = []
+        self.initial_peers: List[str] = []
+        self.probe: Optional[Probe] = None
+
+    def _start(self, role: str, args: Sequence[str], name: str) -> RoleProcess:
+        process = RoleProcess(role, args, self.log_dir, name)
+        self.processes.append(process)
+        return process
+
+    def bootstrap(self, timeout: float = 60.0) -> None:
+        process = self._start("bootstrap", ["--host_maddrs", LOOPBACK], f"{self.run_id}-bootstrap")
+        self.initial_peers = process.wait_event("bootstrap_ready", timeout)["maddrs"]
+        self.probe = Probe(self.initial_peers, self.run_id)
+
+    def _common(self) -> List[str]:
+        return ["--run_id", self.run_id, *self.run_args, "--initial_peers", ",".join(self.initial_peers),
+                "--host_maddrs", LOOPBACK]
+
+    def peer(self, stage: Any, name: str, extra: Sequence[str] = ()) -> RoleProcess:
+        return self._start("peer", ["--stage", str(stage), *self._common(), *self.peer_args, *extra],
+                           f"{self.run_id}-{name}")
+
+    def trainer(self, name: str, extra: Sequence[str] = ()) -> RoleProcess:
+        return self._start("train", [*self._common(), *self.trainer_args, *extra], f"{self.run_id}-{name}")
+
+    async def event(self, process: RoleProcess, name: str, timeout: float) -> Dict[str, Any]:
+        """Wait for a role's event without blocking the event loop (other tasks keep sampling)."""
+        return await asyncio.to_thread(process.wait_event, name, timeout)
+
+    async def snapshot(self) -> Snapshot:
+        peers, trainers = await asyncio.gather(
+            self.probe.records(), fetch_records(self.probe.dht, trainers_key(self.run_id), TrainerRecord))
+        return Snapshot(time.monotonic(), peers, trainers)
+
+    async def wait_for(self, predicate: Callable[[Dict[str, PeerRecord]], bool], timeout: float,
+                       what: str) -> Dict[str, PeerRecord]:
+        return await self.probe.wait_for(predicate, timeout, what)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """SIGTERM every role at once, wait at most ``timeout`` s in all, then SIGKILL every process group."""
+        for process in self.processes:
+            try:
+                process.signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            try:
+                process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for process in self.processes:
+            process.kill_group()
+            try:
+                process._log.close()
+            except Exception:
+                pass
+        if self.probe is not None:
+            try:
+                self.probe.shutdown()
+            except Exception:
+                pass

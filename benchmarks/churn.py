@@ -1,0 +1,304 @@
+"""Churn benchmark: a live 2-stage swarm on loopback loses a peer (SIGKILL) and gains one every period.
+
+Why: SWARM's promise is that training goes on while volunteers come and go. This script
+measures, on a real swarm of subprocesses, whether any micro-batch is lost or counted twice
+under repeated crashes and joins, how much throughput churn costs, and how long training
+stalls at worst.
+
+What runs (every address 127.0.0.1; the tests' tiny model and fast announce periods):
+  * a bootstrap DHT, ``--peers_per_stage`` peers on each of the 2 stages (fixed stages),
+    ``--trainers`` trainers that train for ``lead_s + events * period_s + tail_s`` seconds
+    (``--duration_s`` of the trainer) with global steps every ``--target_batch_size`` samples
+    (so replicas average, and a killed replica takes accumulated gradients with it);
+  * churn run: every ``--period_s`` seconds (first event ``--lead_s`` after the trainers are
+    ready), one peer is SIGKILLed with its whole process group (its p2pd included), alternately
+    from stage 0 and stage 1 (the other stage if that one has a single replica: the benchmark never
+    kills the last replica of a stage), and as soon as its DHT record has expired a new peer
+    starts with ``--stage auto`` (it picks the stage that needs capacity, downloads that stage's
+    state from a live replica, then serves);
+  * baseline run: the same swarm, trainers and duration, no churn (skip with ``--no_baseline``).
+  Peers do not rebalance (``--rebalance`` is off); only joining peers choose their stage.
+
+Measured:
+  samples_sent            sum of the trainers' ``trainer_done`` samples_sent (the churn run).
+  samples_accounted       MIN over the two stages of what a stage accounts for once the swarm
+                          has settled: max samples_applied over its online replicas + the sum of
+                          their samples_pending + samples_frozen (as tests/test_failure.py);
+                          ``samples_accounted_by_stage`` has both. Both must equal samples_sent.
+  lost                    samples_sent - samples_accounted (negative = counted twice).
+  throughput_ratio_vs_no_churn   (samples sent in the churn run) / (samples sent in the baseline),
+                          both over the same trainer duration.
+  max_stall_s             every ~``--sample_period_s`` the probe reads the DHT: the trainers' records
+                          (samples_sent, published every 0.5 s) and stage 1's peer records
+                          (samples_processed, announced every 0.5 s). A stall of a counter is an
+                          interval in which it did not grow (for stage 1: no online replica's
+                          counter grew); max_stall_s is the longest stall of EITHER counter,
+                          between training start and the trainers' end (also reported apart:
+                          max_stall_trainers_s, max_stall_stage1_s). Resolution ~0.5-1 s: records
+                          are announced every 0.5 s and a DHT read takes time.
+The last line is one JSON object; progress lines come before it. Logs of every process are
+kept in ``--log_dir`` (a fresh temporary directory by default; its path is printed).
+
+Defaults (``--period_s 20 --events 4``, 2 peers per stage, 2 trainers) train 100 s per run and
+take about 4-5 minutes in all (both runs) on a 2-core machine. ``--period_s 60 --events 5``
+is the issue's "one peer killed and one started per minute" (about 13 minutes).
+
+Usage: python benchmarks/churn.py [--period_s 20] [--events 4] [--no_baseline] [--log_dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _swarm import (FAST_PEER, TINY_MODEL, LiveSwarm, Snapshot, accounted, counts, install_signal_handlers,  # noqa: E402
+                    log, make_log_dir, online)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--period_s", type=float, default=20.0, help="seconds between churn events (a kill + a join)")
+    p.add_argument("--events", type=int, default=4, help="churn events (each: one peer killed, one started)")
+    p.add_argument("--lead_s", type=float, default=10.0, help="training seconds before the first event")
+    p.add_argument("--tail_s", type=float, default=10.0, help="training seconds after the last event's slot")
+    p.add_argument("--peers_per_stage", type=int, default=2)
+    p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--target_batch_size", type=int, default=128, help="samples per global step")
+    p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
+    p.add_argument("--max_in_flight", type=int, default=4)
+    p.add_argument("--sample_period_s", type=float, default=0.5, help="seconds between DHT reads of the probe")
+    p.add_argument("--settle_timeout_s", type=float, default=60.0, help="wait at most this long for the stages to account for every sample")
+    p.add_argument("--no_baseline", action="store_true", help="skip the no-churn run (no throughput ratio)")
+    p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    return p.parse_args(argv)
+
+
+class Sampler:
+    """Reads the DHT every period; keeps the series the stall figures and progress lines come from."""
+
+    def __init__(self, swarm: LiveSwarm, period_s: float):
+        self.swarm, self.period_s = swarm, period_s
+        self.snapshots: List[Snapshot] = []
+        self.failed_reads = 0
+
+    async def run(self) -> None:
+        last_line = 0.0
+        while True:
+            started = time.monotonic()
+            try:
+                snapshot = await asyncio.wait_for(self.swarm.snapshot(), timeout=10.0)
+                self.snapshots.append(snapshot)
+                if not snapshot.peers:
+                    self.failed_reads += 1
+            except (asyncio.TimeoutError, Exception):
+                self.failed_reads += 1
+                snapshot = None
+            if snapshot is not None and started - last_line >= 5.0:
+                last_line = started
+                sent = sum(r.samples_sent for r in snapshot.trainers.values())
+                s1 = sum(r.samples_processed for r in online(snapshot.peers, 1))
+                steps = sorted({r.step for r in snapshot.peers.values()})
+                log(f"  replicas per stage {counts(snapshot.peers)}  trainers sent {sent}  stage-1 processed (online) {s1}"
+                    f"  steps {steps}  states {sorted(r.state for r in snapshot.peers.values())}")
+            await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - started)))
+
+    def stalls(self, start: float, end: float) -> Dict[str, float]:
+        """Longest interval within [start, end] in which each counter did not grow."""
+        best_sent: Dict[str, int] = {}
+        best_s1: Dict[str, int] = {}
+        last_sent = last_s1 = start
+        stall_sent = stall_s1 = 0.0
+        for snap in self.snapshots:
+            grew_sent = grew_s1 = False
+            for trainer_id, record in snap.trainers.items():
+                if record.samples_sent > best_sent.get(trainer_id, 0):
+                    best_sent[trainer_id] = record.samples_sent
+                    grew_sent = True
+            for record in online(snap.peers, 1):
+                if record.samples_processed > best_s1.get(record.peer_id, 0):
+                    best_s1[record.peer_id] = record.samples_processed
+                    grew_s1 = True
+            if snap.t < start:
+                continue
+            t = min(snap.t, end)
+            if grew_sent:
+                stall_sent, last_sent = max(stall_sent, t - last_sent), t
+            if grew_s1:
+                stall_s1, last_s1 = max(stall_s1, t - last_s1), t
+            if snap.t >= end:
+                break
+        stall_sent = max(stall_sent, end - last_sent)
+        stall_s1 = max(stall_s1, end - last_s1)
+        return {"max_stall_trainers_s": round(stall_sent, 2), "max_stall_stage1_s": round(stall_s1, 2)}
+
+
+async def churn_events(swarm: LiveSwarm, args, t0: float, peers: Dict[str, Any], report: List[Dict[str, Any]]) -> None:
+    """Every period: SIGKILL one peer (alternating stages), wait for its record to expire, start a --stage auto peer."""
+    for i in range(args.events):
+        await asyncio.sleep(max(0.0, t0 + args.lead_s + i * args.period_s - time.monotonic()))
+        records = await swarm.probe.records()
+        wanted = i % 2
+        stage = next((s for s in (wanted, 1 - wanted) if len(online(records, s)) >= 2), None)
+        event: Dict[str, Any] = {"event": i, "t_s": round(time.monotonic() - t0, 1), "wanted_stage": wanted}
+        if stage is None:
+            event["skipped"] = f"no stage has 2 online replicas (replicas per stage {counts(records)})"
+            log(f"event {i}: skipped: {event['skipped']}")
+            report.append(event)
+            continue
+        victim_id = next(r.peer_id for r in sorted(online(records, stage), key=lambda r: peers[r.peer_id]["started"])
+                         if r.peer_id in peers)
+        victim = peers[victim_id]
+        log(f"event {i}: SIGKILL {victim['process'].name} ({victim_id[-6:]}) on stage {stage} at step "
+            f"{records[victim_id].step} (pending {records[victim_id].samples_pending}, frozen "
+            f"{records[victim_id].samples_frozen}); replicas per stage {counts(records)}")
+        await asyncio.to_thread(victim["process"].kill_group)
+        killed_at = time.monotonic()
+        event.update(killed_stage=stage, victim=victim["process"].name)
+        try:
+            await swarm.wait_for(lambda r: victim_id not in r, 20.0, "the killed peer's record to expire")
+        except TimeoutError as e:
+            log(f"event {i}: {e}")
+        event["record_expired_after_s"] = round(time.monotonic() - killed_at, 1)
+        name = f"joiner{i}"
+        process = swarm.peer("auto", name)
+        started = time.monotonic()
+        try:
+            ready = await swarm.event(process, "peer_ready", 120.0)
+        except TimeoutError as e:
+            event["join_failed"] = str(e).splitlines()[0]
+            log(f"event {i}: new peer {name} did not become ready: {e}")
+            report.append(event)
+            continue
+        peers[ready["peer_id"]] = {"process": process, "started": started}
+        event.update(joined_stage=ready["stage"], joined_at_step=ready["step"],
+                     join_ready_s=round(time.monotonic() - started, 1))
+        log(f"event {i}: {name} ({ready['peer_id'][-6:]}) joined stage {ready['stage']} at step {ready['step']} "
+            f"after {event['join_ready_s']}s (record of the victim expired {event['record_expired_after_s']}s after the kill)")
+        report.append(event)
+
+
+async def run_once(args, churn: bool, log_dir: Path) -> Dict[str, Any]:
+    label = "churn" if churn else "baseline"
+    duration_s = args.lead_s + args.events * args.period_s + args.tail_s
+    run_id = f"bench_{label}_{uuid.uuid4().hex[:6]}"
+    swarm = LiveSwarm(
+        log_dir, run_id,
+        run_args=["--num_stages", "2", "--target_batch_size", str(args.target_batch_size), *TINY_MODEL],
+        peer_args=FAST_PEER,
+        trainer_args=["--max_data_mb", "2", "--refresh_period_s", "0.5", "--log_period_s", "0.5",
+                      "--batch_size", str(args.batch_size), "--max_in_flight", str(args.max_in_flight),
+                      "--duration_s", str(duration_s)])
+    sampler_task: Optional[asyncio.Task] = None
+    churn_task: Optional[asyncio.Task] = None
+    try:
+        log(f"[{label}] starting a bootstrap, {args.peers_per_stage} peers per stage; logs in {log_dir} (run {run_id})")
+        swarm.bootstrap(60.0)
+        starting = [(swarm.peer(stage, f"s{stage}p{i}"), time.monotonic())
+                    for i in range(args.peers_per_stage) for stage in (0, 1)]
+        peers: Dict[str, Any] = {}
+        for process, started in starting:
+            ready = await swarm.event(process, "peer_ready", 120.0)
+            peers[ready["peer_id"]] = {"process": process, "started": started}
+        await swarm.wait_for(lambda r: counts(r) == (args.peers_per_stage,) * 2, 60.0, "every peer online")
+        trainers = [swarm.trainer(f"trainer{i}", ["--trainer_seed", str(i + 1)]) for i in range(args.trainers)]
+        for trainer in trainers:
+            await swarm.event(trainer, "trainer_ready", 120.0)
+        t0 = time.monotonic()
+        log(f"[{label}] {args.trainers} trainers ready; training for {duration_s:.0f}s")
+        sampler = Sampler(swarm, args.sample_period_s)
+        sampler_task = asyncio.create_task(sampler.run())
+        events: List[Dict[str, Any]] = []
+        if churn:
+            churn_task = asyncio.create_task(churn_events(swarm, args, t0, peers, events))
+
+        done_events: List[Dict[str, Any]] = []
+        first_done: Optional[float] = None
+        for trainer in trainers:
+            done = await swarm.event(trainer, "trainer_done", duration_s + 180.0 - (time.monotonic() - t0))
+            first_done = first_done or time.monotonic()
+            done_events.append(done)
+        if churn_task is not None:
+            await asyncio.wait_for(churn_task, timeout=150.0)  # done by now unless a join is still starting
+        sent = sum(d["samples_sent"] for d in done_events)
+        log(f"[{label}] trainers done: " + ", ".join(
+            f"sent {d['samples_sent']} failed {d['failed']} resent {d['resent']} drained {d['drained']}" for d in done_events))
+
+        settle_started = time.monotonic()
+        records: Dict[str, Any] = {}
+        settled = False
+        while time.monotonic() - settle_started < args.settle_timeout_s:
+            records = await swarm.probe.records()
+            if records and all(accounted(records, s) == sent for s in (0, 1)) \
+                    and all(r.state == "online" and not r.samples_frozen for r in records.values()):
+                settled = True
+                break
+            await asyncio.sleep(0.5)
+        by_stage = [accounted(records, s) for s in (0, 1)]
+        log(f"[{label}] {'settled' if settled else 'NOT settled'} after {time.monotonic() - settle_started:.1f}s: "
+            f"accounted by stage {by_stage} for {sent} sent")
+        for r in sorted(records.values(), key=lambda r: (r.stage, r.peer_id)):
+            log(f"    stage {r.stage} {r.peer_id[-6:]} {r.state} step {r.step} accum {r.accum_step} applied "
+                f"{r.samples_applied} pending {r.samples_pending} frozen {r.samples_frozen} processed {r.samples_processed}")
+        sampler_task.cancel()
+        stalls = sampler.stalls(t0, min(first_done, t0 + duration_s))
+        return {
+            "samples_sent": sent, "samples_accounted_by_stage": by_stage, "settled": settled,
+            "throughput_samples_per_s": sent / duration_s, "duration_s": duration_s,
+            "failed": sum(d["failed"] for d in done_events), "resent": sum(d["resent"] for d in done_events),
+            "drained": all(d["drained"] for d in done_events), "events": events,
+            "replicas_per_stage_at_end": list(counts(records)), "failed_dht_reads": sampler.failed_reads, **stalls,
+        }
+    finally:
+        for task in (sampler_task, churn_task):
+            if task is not None and not task.done():
+                task.cancel()
+        await asyncio.to_thread(swarm.close)
+
+
+async def main(args) -> Dict[str, Any]:
+    log_dir = make_log_dir(args.log_dir, "bench_churn_")
+    wall = time.monotonic()
+    churned = await run_once(args, churn=True, log_dir=log_dir)
+    baseline = None if args.no_baseline else await run_once(args, churn=False, log_dir=log_dir)
+    accounted_min = min(churned["samples_accounted_by_stage"])
+    result = {
+        "samples_sent": churned["samples_sent"],
+        "samples_accounted": accounted_min,
+        "samples_accounted_is": "min over stages",
+        "samples_accounted_by_stage": churned["samples_accounted_by_stage"],
+        "lost": churned["samples_sent"] - accounted_min,
+        "lost_by_stage": [churned["samples_sent"] - a for a in churned["samples_accounted_by_stage"]],
+        "throughput_ratio_vs_no_churn": (round(churned["samples_sent"] / baseline["samples_sent"], 3)
+                                         if baseline and baseline["samples_sent"] else None),
+        "max_stall_s": max(churned["max_stall_trainers_s"], churned["max_stall_stage1_s"]),
+        "max_stall_trainers_s": churned["max_stall_trainers_s"],
+        "max_stall_stage1_s": churned["max_stall_stage1_s"],
+        "churn_samples_per_s": round(churned["throughput_samples_per_s"], 2),
+        "baseline_samples_per_s": round(baseline["throughput_samples_per_s"], 2) if baseline else None,
+        "baseline_max_stall_s": (max(baseline["max_stall_trainers_s"], baseline["max_stall_stage1_s"])
+                                 if baseline else None),
+        "baseline_lost": (baseline["samples_sent"] - min(baseline["samples_accounted_by_stage"])) if baseline else None,
+        "settled": churned["settled"], "drained": churned["drained"],
+        "failed_micro_batches": churned["failed"], "resent": churned["resent"],
+        "kills": sum(1 for e in churned["events"] if "killed_stage" in e),
+        "joins": sum(1 for e in churned["events"] if "joined_stage" in e),
+        "events": [{k: v for k, v in e.items() if k != "event"} for e in churned["events"]],
+        "replicas_per_stage_at_end": churned["replicas_per_stage_at_end"],
+        "train_duration_s": churned["duration_s"], "period_s": args.period_s,
+        "wall_s": round(time.monotonic() - wall, 1), "log_dir": str(log_dir),
+    }
+    return result
+
+
+if __name__ == "__main__":
+    install_signal_handlers()
+    result = asyncio.run(main(parse_args()))
+    print(json.dumps(result), flush=True)

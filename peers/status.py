@@ -1,0 +1,74 @@
+"""``swarm status``: watch a run from the DHT (peers, trainers, loss, speed) without serving anything."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence
+
+from peers._common import setup_logging, stop_event
+from swarm.config import NetworkConfig
+from swarm.configuration import parse_role_config
+from swarm.records import validate_run_id
+
+
+@dataclass
+class StatusConfig:
+    """Which run to watch and how often."""
+
+    run_id: str = "swarm_demo"  # the run to watch
+    period_s: float = 5.0  # seconds between status lines
+    count: int = 0  # status lines to print before exiting; 0 = until Ctrl-C
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        if not self.period_s > 0 or self.count < 0:
+            raise ValueError("period_s must be positive and count non-negative")
+
+
+def format_status(elapsed: float, peers: Dict, trainers: Dict) -> str:
+    losses = [t.loss for t in trainers.values() if t.loss is not None]
+    samples_per_s = sum(t.samples_per_s for t in trainers.values())
+    tokens_per_s = sum(t.tokens_per_s for t in trainers.values())
+    loss = f"{sum(losses) / len(losses):.4f}" if losses else "  -   "
+    steps = sorted({p.step for p in peers.values()})
+    per_peer = "  ".join(f"s{p.stage}:{p.peer_id[-4:]} {p.throughput:6.1f}/s q{p.queue_length} {p.samples_processed}"
+                         for p in sorted(peers.values(), key=lambda p: (p.stage, p.peer_id)))
+    return (f"[{elapsed:5.0f}s] loss {loss} | {len(trainers)} trainers {samples_per_s:6.1f} samples/s "
+            f"{tokens_per_s:8.0f} tokens/s | step {steps} | peers (stage:id throughput queue processed) {per_peer}")
+
+
+async def status_line(dht, run_id: str, elapsed: float) -> str:
+    from swarm.dht_io import fetch_records
+    from swarm.records import PeerRecord, TrainerRecord, peers_key, trainers_key
+
+    peers = await fetch_records(dht, peers_key(run_id), PeerRecord)
+    trainers = await fetch_records(dht, trainers_key(run_id), TrainerRecord)
+    return format_status(elapsed, peers, trainers)
+
+
+async def watch(config: StatusConfig) -> int:
+    from swarm.server.peer import start_dht
+
+    stop = stop_event()
+    dht = start_dht(config.network, client_mode=True)
+    started, printed = time.monotonic(), 0
+    try:
+        while not stop.is_set() and (config.count == 0 or printed < config.count):
+            print(await status_line(dht, config.run_id, time.monotonic() - started), flush=True)
+            printed += 1
+            try:
+                await asyncio.wait_for(stop.wait(), config.period_s)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+    finally:
+        dht.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    config = parse_role_config(StatusConfig, argv, "swarm status", "Watch a swarm training run from the DHT.")
+    setup_logging()
+    return asyncio.run(watch(config))
