@@ -110,6 +110,17 @@ class Sampler:
                     f"  steps {steps}  states {sorted(r.state for r in snapshot.peers.values())}")
             await asyncio.sleep(max(0.0, self.period_s - (time.monotonic() - started)))
 
+    def dump(self, path: Path, t0: float) -> None:
+        """The series, one JSON line per DHT read (times in seconds since training start), for a post-mortem."""
+        with open(path, "w") as f:
+            for snap in self.snapshots:
+                f.write(json.dumps({
+                    "t": round(snap.t - t0, 2),
+                    "trainers": {k[-6:]: r.samples_sent for k, r in snap.trainers.items()},
+                    "peers": [[r.peer_id[-6:], r.stage, r.state, r.step, r.accum_step, r.samples_pending,
+                               r.samples_frozen, r.samples_admitted, r.samples_applied, r.samples_processed]
+                              for r in sorted(snap.peers.values(), key=lambda r: (r.stage, r.peer_id))]}) + "\n")
+
     def stalls(self, start: float, end: float) -> Dict[str, float]:
         """Longest interval within [start, end] in which each counter did not grow."""
         best_sent: Dict[str, int] = {}
@@ -141,7 +152,9 @@ class Sampler:
 
 
 async def churn_events(swarm: LiveSwarm, args, t0: float, peers: Dict[str, Any], report: List[Dict[str, Any]]) -> None:
-    """Every period: SIGKILL one peer (alternating stages), wait for its record to expire, start a --stage auto peer."""
+    """Every period: SIGKILL one peer (alternating stages), wait for its record to expire, start a --stage auto peer
+    (without waiting for it to serve: the next event keeps its schedule)."""
+    joins: List[asyncio.Task] = []
     for i in range(args.events):
         await asyncio.sleep(max(0.0, t0 + args.lead_s + i * args.period_s - time.monotonic()))
         records = await swarm.probe.records()
@@ -153,8 +166,14 @@ async def churn_events(swarm: LiveSwarm, args, t0: float, peers: Dict[str, Any],
             log(f"event {i}: skipped: {event['skipped']}")
             report.append(event)
             continue
-        victim_id = next(r.peer_id for r in sorted(online(records, stage), key=lambda r: peers[r.peer_id]["started"])
-                         if r.peer_id in peers)
+        candidates = sorted((r for r in online(records, stage) if r.peer_id in peers),
+                            key=lambda r: peers[r.peer_id]["started"])  # the longest-serving peer goes first
+        if not candidates:
+            event["skipped"] = "no online peer of that stage has reported ready yet"
+            log(f"event {i}: skipped: {event['skipped']}")
+            report.append(event)
+            continue
+        victim_id = candidates[0].peer_id
         victim = peers[victim_id]
         log(f"event {i}: SIGKILL {victim['process'].name} ({victim_id[-6:]}) on stage {stage} at step "
             f"{records[victim_id].step} (pending {records[victim_id].samples_pending}, frozen "
@@ -168,21 +187,28 @@ async def churn_events(swarm: LiveSwarm, args, t0: float, peers: Dict[str, Any],
             log(f"event {i}: {e}")
         event["record_expired_after_s"] = round(time.monotonic() - killed_at, 1)
         name = f"joiner{i}"
-        process = swarm.peer("auto", name)
-        started = time.monotonic()
-        try:
-            ready = await swarm.event(process, "peer_ready", 120.0)
-        except TimeoutError as e:
-            event["join_failed"] = str(e).splitlines()[0]
-            log(f"event {i}: new peer {name} did not become ready: {e}")
-            report.append(event)
-            continue
-        peers[ready["peer_id"]] = {"process": process, "started": started}
-        event.update(joined_stage=ready["stage"], joined_at_step=ready["step"],
-                     join_ready_s=round(time.monotonic() - started, 1))
-        log(f"event {i}: {name} ({ready['peer_id'][-6:]}) joined stage {ready['stage']} at step {ready['step']} "
-            f"after {event['join_ready_s']}s (record of the victim expired {event['record_expired_after_s']}s after the kill)")
+        joins.append(asyncio.create_task(join(swarm, name, event, peers)))
         report.append(event)
+    if joins:  # the last joiners may still be starting: give them their bounded time
+        await asyncio.wait(joins, timeout=150.0)
+
+
+async def join(swarm: LiveSwarm, name: str, event: Dict[str, Any], peers: Dict[str, Any]) -> None:
+    """Start a --stage auto peer and record which stage it chose and how long it took to serve."""
+    i = event["event"]
+    process = swarm.peer("auto", name)
+    started = time.monotonic()
+    try:
+        ready = await swarm.event(process, "peer_ready", 120.0)
+    except TimeoutError as e:
+        event["join_failed"] = str(e).splitlines()[0]
+        log(f"event {i}: new peer {name} did not become ready: {e}")
+        return
+    peers[ready["peer_id"]] = {"process": process, "started": started}
+    event.update(joined_stage=ready["stage"], joined_at_step=ready["step"],
+                 join_ready_s=round(time.monotonic() - started, 1))
+    log(f"event {i}: {name} ({ready['peer_id'][-6:]}) joined stage {ready['stage']} at step {ready['step']} "
+        f"after {event['join_ready_s']}s (record of the victim expired {event['record_expired_after_s']}s after the kill)")
 
 
 async def run_once(args, churn: bool, log_dir: Path) -> Dict[str, Any]:
@@ -226,7 +252,10 @@ async def run_once(args, churn: bool, log_dir: Path) -> Dict[str, Any]:
             first_done = first_done or time.monotonic()
             done_events.append(done)
         if churn_task is not None:
-            await asyncio.wait_for(churn_task, timeout=150.0)  # done by now unless a join is still starting
+            try:  # done by now unless a join is still starting
+                await asyncio.wait_for(churn_task, timeout=180.0)
+            except Exception as e:
+                log(f"[{label}] churn events ended with {type(e).__name__}: {e}")
         sent = sum(d["samples_sent"] for d in done_events)
         log(f"[{label}] trainers done: " + ", ".join(
             f"sent {d['samples_sent']} failed {d['failed']} resent {d['resent']} drained {d['drained']}" for d in done_events))
@@ -248,6 +277,7 @@ async def run_once(args, churn: bool, log_dir: Path) -> Dict[str, Any]:
             log(f"    stage {r.stage} {r.peer_id[-6:]} {r.state} step {r.step} accum {r.accum_step} applied "
                 f"{r.samples_applied} pending {r.samples_pending} frozen {r.samples_frozen} processed {r.samples_processed}")
         sampler_task.cancel()
+        sampler.dump(log_dir / f"{run_id}-samples.jsonl", t0)
         stalls = sampler.stalls(t0, min(first_done, t0 + duration_s))
         return {
             "samples_sent": sent, "samples_accounted_by_stage": by_stage, "settled": settled,

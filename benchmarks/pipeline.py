@@ -16,14 +16,16 @@ What runs (every process limited to one torch thread; every address is 127.0.0.1
       trainer's default). ``target_batch_size`` defaults to more samples than the benchmark
       ever sends, so no global step happens in a measured window on either side: both
       figures are forward+backward throughput. ``overlap_averaging`` stays off: with one
-      replica per stage there is no all-reduce to overlap.
+      replica per stage there is no all-reduce to overlap. Pass ``--target_batch_size 128`` to
+      measure with global steps (the single process then steps every 128 samples too).
 Each measurement is a warm-up, then a fixed number of samples; tokens/s = samples * seq_len /
 seconds from the start of the window to the completion of its last micro-batch.
 
 The breakdown, per micro-batch of the benchmark's shape:
   compute         median CPU time of the StageRunner calls the peers run, timed in this process
-                  with one thread (CPU time, so that other load on the machine does not inflate it): stage 0 forward, stage 1 forward+backward, stage 0
-                  backward (which recomputes stage 0's forward: backward is stateless).
+                  with one thread (CPU time, so that other load on the machine does not inflate
+                  it): stage 0 forward, stage 1 forward+backward, stage 0 backward (which
+                  recomputes stage 0's forward: backward is stateless).
   serialization   swarm.wire.encode + decode of the six messages of one micro-batch (three
                   calls, a request and a reply each), timed in this process.
   transfer        each of those three calls replayed one at a time on the idle swarm:
@@ -46,7 +48,7 @@ The breakdown, per micro-batch of the benchmark's shape:
                   activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
                   minus the compute of that forward (StageRunner.forward on the same tensors,
                   timed in this process): the cost of one network hop carrying one activation.
-Usage: python benchmarks/pipeline.py [--samples 256] [--batch_size 16] [--num_layers 4] ...
+Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--num_layers 4] ...
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from swarm.policy.rebalance import choose_stage_for_new_peer, decide_move, next_
 from swarm.records import PeerRecord, peers_key, to_peer_infos
 from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
 from swarm.server.averaging import StageAverager
+from swarm.server.batching import ForwardBatcher
 from swarm.server.checkpoints import checkpoint_path, load_checkpoint, save_checkpoint
 from swarm.server.runner import StageRunner
 
@@ -93,6 +94,7 @@ class StagePeer:
         """Take up ``stage``: build its module, get its current state, go online, start stepping."""
         self.stage, self.state, self.contributors = stage, "joining", {}
         self.runner = StageRunner(self.run, stage, self.config.device, self.config.slowdown)
+        self.batcher = ForwardBatcher(self.runner.forward, self._executor, self.config.max_batch_samples)
         self.averager = self._make_averager()
         await self._announce()
         await self._join_stage()
@@ -268,12 +270,19 @@ class StagePeer:
 
     async def _rpc_forward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         self._check_request(request)
+        inputs, targets = request.get("inputs"), request.get("targets")
         self._in_flight += 1
         try:
-            output = await self._compute(self.runner.forward, request.get("inputs"), request.get("targets"))
+            if self.runner.module.is_last:  # a loss per request: not mergeable
+                return {"loss": float(await self._compute(self.runner.forward, inputs, targets))}
+            self.runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
+            self._queued += 1
+            try:
+                return {"outputs": await self.batcher.forward(inputs)}
+            finally:
+                self._queued -= 1
         finally:
             self._in_flight -= 1
-        return {"loss": float(output)} if self.runner.module.is_last else {"outputs": output}
 
     async def _rpc_backward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         self._check_request(request)
@@ -301,6 +310,10 @@ class StagePeer:
     def _notify_progress(self) -> None:
         for event in self._progress.values():
             event.set()
+
+    def _near_target(self) -> bool:
+        """Close enough to a global step that progress should travel fast (announce and check often)."""
+        return 2 * (self.runner.samples_pending + self._admitted + self._others_reserved) >= self.run.target_batch_size
 
     def _stage_is_full(self) -> bool:
         pending = self.runner.samples_pending + self._admitted + self._others_reserved
@@ -352,9 +365,10 @@ class StagePeer:
         global batch, so that replicas see each other's progress in time to close steps on target."""
         while not self._stopping.is_set():
             await self._announce()
-            near = self.runner.samples_pending + self._others_pending >= self.run.target_batch_size // 2
-            await self._sleep_or_progress("announce", FAST_ANNOUNCE_S if near else self.config.announce_period_s,
-                                          FAST_ANNOUNCE_S)
+            if self._near_target():
+                await self._sleep_or_progress("announce", FAST_ANNOUNCE_S, FAST_ANNOUNCE_S)
+            else:  # far from a step: no need to tell anyone about every backward pass
+                await self._sleep_or_progress(None, self.config.announce_period_s, 0.0)
 
     async def _sleep_or_progress(self, waker: Optional[str], period_s: float, min_period_s: float) -> None:
         """Wait ``period_s``, or less (but at least ``min_period_s``) when gradients arrive; stop on leave."""
@@ -388,7 +402,8 @@ class StagePeer:
                 await self._coordinate_once()
             except Exception:
                 logger.exception("step coordination failed; retrying")
-            await self._sleep_or_progress("coordinate", self.config.poll_period_s, FAST_ANNOUNCE_S / 3)
+            waker = "coordinate" if self._near_target() or self.runner.frozen is not None else None
+            await self._sleep_or_progress(waker, self.config.poll_period_s, FAST_ANNOUNCE_S)
 
     async def _coordinate_once(self) -> None:
         records = await self._peer_records()
