@@ -121,7 +121,7 @@ class Trainer:
         try:
             await self.client.backward(item, resend=True)
             logger.info(f"re-sent {item.micro_batch_id} ({item.samples} samples) to stage {item.stage}")
-        except (StageUnavailable, RemoteError, Exception) as e:
+        except Exception as e:  # a stage without live replicas, a timeout: the next refresh tries again
             logger.warning(f"re-sending {item.micro_batch_id} to stage {item.stage} failed, will retry: {e}")
         finally:
             self._resending.discard(key)
@@ -154,8 +154,15 @@ class Trainer:
         await self._publish()
         return self.metrics
 
+    async def _wait_for_commits(self, deadline: float) -> None:
+        """Memory bound: the ledger keeps each stage's input of every unconfirmed micro-batch, so stop
+        drawing new ones while ``max_uncommitted`` micro-batches await their global step."""
+        while len(self.ledger) >= self.config.max_uncommitted * self.run.num_stages and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def _worker(self, deadline: float) -> None:
         while not self._done(deadline):
+            await self._wait_for_commits(deadline)
             batch = self.config.batch_size
             if self.config.max_samples is not None:
                 batch = min(batch, self.config.max_samples - self._reserved)
