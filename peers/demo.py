@@ -24,7 +24,8 @@ def _run_flags(config: DemoConfig) -> List[str]:
     return ["--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
             "--target_batch_size", str(run.target_batch_size), "--num_layers", str(model.num_layers),
             "--hidden_size", str(model.hidden_size), "--num_heads", str(model.num_heads),
-            "--seq_len", str(model.seq_len), "--vocab_size", str(model.vocab_size), "--lr", str(opt.lr)]
+            "--seq_len", str(model.seq_len), "--vocab_size", str(model.vocab_size), "--lr", str(opt.lr),
+            *(["--stage_layers", ",".join(map(str, model.stage_layers))] if model.stage_layers else [])]
 
 
 def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:

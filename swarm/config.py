@@ -40,6 +40,9 @@ class RunConfig:
             raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
         if self.num_stages > self.model.num_layers:
             raise ValueError(f"num_stages ({self.num_stages}) cannot exceed num_layers ({self.model.num_layers})")
+        if self.model.stage_layers and len(self.model.stage_layers) != self.num_stages:
+            raise ValueError(f"stage_layers {self.model.stage_layers} must name one block count per stage "
+                             f"({self.num_stages} stages)")
         if not isinstance(self.target_batch_size, int) or self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
 
@@ -67,7 +70,7 @@ class PeerConfig:
     stage: Union[int, str] = "auto"  # stage index to serve, or 'auto' for the stage that needs capacity most
     device: str = "cpu"  # torch device for the stage, e.g. cpu or cuda:0
     num_threads: int = 1  # torch intra-op threads for this peer
-    slowdown: float = 1.0  # emulate a slower device: compute takes this many times longer (1.0 = off)
+    delay_per_sample_s: float = 0.0  # emulate a slower device: sleep this long per sample of backward work (0 = off; costs no CPU)
     announce_period_s: float = 1.0  # seconds between DHT announcements
     expiration_s: float = 6.0  # seconds a DHT record outlives its announcement: how fast a dead peer vanishes
     poll_period_s: float = 0.25  # seconds between checks of the stage's progress towards the global batch
@@ -98,8 +101,8 @@ class PeerConfig:
             _positive(name, getattr(self, name))
         if self.expiration_s < 2 * self.announce_period_s:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
-        if not self.slowdown >= 1.0:
-            raise ValueError(f"slowdown must be >= 1.0, got {self.slowdown!r}")
+        if not self.delay_per_sample_s >= 0.0:
+            raise ValueError(f"delay_per_sample_s must be >= 0, got {self.delay_per_sample_s!r}")
         if self.max_batch_samples < 1 or self.num_threads < 1:
             raise ValueError("max_batch_samples and num_threads must be at least 1")
 
@@ -120,6 +123,7 @@ class TrainerConfig:
     backward_timeout_s: float = 60.0  # seconds one backward call may take
     max_retries: int = 8  # attempts per stage call before the micro-batch fails
     refresh_period_s: float = 1.0  # seconds between DHT snapshots of the swarm
+    peer_grace_s: float = 5.0  # seconds a peer must be missing from the DHT before its unconfirmed work is re-sent
     log_period_s: float = 5.0  # seconds between progress lines
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
     run: RunConfig = field(default_factory=RunConfig)
@@ -129,7 +133,7 @@ class TrainerConfig:
         for name in ("batch_size", "max_in_flight", "max_retries", "max_uncommitted"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("forward_timeout_s", "backward_timeout_s", "refresh_period_s", "log_period_s"):
+        for name in ("forward_timeout_s", "backward_timeout_s", "refresh_period_s", "log_period_s", "peer_grace_s"):
             _positive(name, getattr(self, name))
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")

@@ -17,12 +17,19 @@ logger = get_logger(__name__)
 R = TypeVar("R", bound=BaseModel)
 
 
-async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0) -> Dict[str, R]:
-    """All valid records under ``key`` (subkey -> record); an unreachable DHT gives an empty dict and a log line."""
+async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0,
+                        strict: bool = False) -> Dict[str, R]:
+    """All valid records under ``key`` (subkey -> record).
+
+    A failed lookup gives an empty dict and a log line, or with ``strict`` raises ``LookupError``:
+    callers that act on absences (a peer is missing, so it died) must not mistake a failed read
+    for an empty swarm."""
     try:
         raw = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
     except (asyncio.TimeoutError, Exception) as e:
         logger.warning(f"DHT lookup of {key!r} failed: {type(e).__name__}: {e}")
+        if strict:
+            raise LookupError(f"DHT lookup of {key!r} failed") from e
         return {}
     return parse_records(raw, model, key=key)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -55,10 +55,16 @@ class ModelConfig:
     num_layers: int = 4  # transformer blocks, split over the pipeline stages
     hidden_size: int = 128  # width of the residual stream
     num_heads: int = 4  # attention heads; must divide hidden_size
+    stage_layers: List[int] = field(default_factory=list)  # blocks per pipeline stage, e.g. [1, 3]; empty = as even as possible
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "hidden_size", "num_heads"):
             _require_positive_int(name, getattr(self, name))
+        self.stage_layers = list(self.stage_layers)
+        for count in self.stage_layers:
+            _require_positive_int("stage_layers", count)
+        if self.stage_layers and sum(self.stage_layers) != self.num_layers:
+            raise ValueError(f"stage_layers {self.stage_layers} must add up to num_layers ({self.num_layers})")
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
@@ -110,12 +116,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges, one per stage, sizes differing by at most 1.
+def layer_ranges(num_layers: int, num_stages: int, stage_layers: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges, one per stage: ``stage_layers`` blocks each if given,
+    else sizes differing by at most 1.
 
-    The earlier stages get the extra layers: the last stage also carries the LM head and
-    the loss, so it is the one that should not get more blocks.
+    By default the earlier stages get the extra layers: the last stage also carries the LM head
+    and the loss, so it is the one that should not get more blocks. An explicit split lets a run
+    balance stages whose costs differ for other reasons (the first stage, for one, recomputes its
+    forward in every backward pass).
     """
+    if stage_layers:
+        if len(stage_layers) != num_stages or sum(stage_layers) != num_layers or min(stage_layers) < 1:
+            raise ValueError(f"stage_layers {list(stage_layers)} must give {num_stages} positive counts "
+                             f"adding up to num_layers ({num_layers})")
+        starts = [sum(stage_layers[:i]) for i in range(num_stages)]
+        return [(start, start + count) for start, count in zip(starts, stage_layers)]
     _require_positive_int("num_layers", num_layers)
     _require_positive_int("num_stages", num_stages)
     if num_stages > num_layers:
@@ -142,7 +157,7 @@ class StageModule(nn.Module):
 
     def __init__(self, config: ModelConfig, stage_index: int, num_stages: int):
         super().__init__()
-        ranges = layer_ranges(config.num_layers, num_stages)
+        ranges = layer_ranges(config.num_layers, num_stages, config.stage_layers)
         if isinstance(stage_index, bool) or not isinstance(stage_index, int) or not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be an int in [0, {num_stages}), got {stage_index!r}")
         self.config = config

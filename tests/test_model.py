@@ -184,3 +184,17 @@ def test_check_inputs_rejects_bad_requests(case):
     with pytest.raises(ValueError, match=message) as error:
         stage.check_inputs(inputs, targets)
     assert f"stage {stage_index}/3" in str(error.value)
+
+
+def test_explicit_stage_layers_split():
+    assert layer_ranges(4, 2, [1, 3]) == [(0, 1), (1, 4)]
+    with pytest.raises(ValueError, match="stage_layers"):
+        layer_ranges(4, 2, [2, 3])
+    with pytest.raises(ValueError, match="stage_layers"):
+        ModelConfig(num_layers=4, stage_layers=[0, 4])
+    config = ModelConfig(num_layers=4, hidden_size=32, num_heads=2, seq_len=16, stage_layers=[1, 3])
+    full, even = FullModel(config, 2, seed=0), FullModel(ModelConfig(num_layers=4, hidden_size=32, num_heads=2,
+                                                                     seq_len=16), 2, seed=0)
+    assert len(full.stages[0].blocks) == 1 and len(full.stages[1].blocks) == 3
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(full(tokens, tokens), even(tokens, tokens))  # same network, cut elsewhere

@@ -10,8 +10,9 @@ Confirmation comes from the DHT: each replica announces, for recent steps, which
 gradients that step averaged (``PeerRecord.contributors``). For a contribution made to
 replica P in step s:
 - some live replica lists step s: committed if P is among its contributors, re-sent if not;
-- P is gone from the DHT or is leaving, and nobody lists step s: re-sent (P can no longer
-  take part in averaging step s; a leaving peer announces 'leaving' only after its last
+- P is gone (its record has been missing for a grace period, so that one failed or partial
+  DHT read does not look like a death) or is leaving, and nobody lists step s: re-sent (P can no
+  longer take part in averaging step s; a leaving peer announces 'leaving' only after its last
   round, so it cannot be mid-round);
 - otherwise: wait.
 A re-sent contribution goes to any live replica of the stage, which adds it to its current
@@ -21,7 +22,7 @@ step; replicas ignore a micro-batch id already in their current or frozen step. 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -61,8 +62,11 @@ class Ledger:
     def open_contributions(self) -> List[Contribution]:
         return list(self._open.values())
 
-    def resolve(self, records: Mapping[str, PeerRecord]) -> List[Contribution]:
-        """Commit what the DHT confirms; return (and keep open) the contributions to re-send."""
+    def resolve(self, records: Mapping[str, PeerRecord], gone: Collection[str]) -> List[Contribution]:
+        """Commit what the DHT confirms; return (and keep open) the contributions to re-send.
+
+        ``gone``: peers whose records have been missing long enough to call them dead; a holder
+        merely absent from this one snapshot is waited for."""
         steps_seen = _contributors_by_stage_and_step(records.values())
         to_resend = []
         for key, item in list(self._open.items()):
@@ -75,7 +79,10 @@ class Ledger:
                     to_resend.append(item)
                 continue
             holder = records.get(item.peer_id)
-            if holder is None or holder.state == "leaving" or holder.stage != item.stage:
+            if holder is None:
+                if item.peer_id in gone:
+                    to_resend.append(item)
+            elif holder.state == "leaving" or holder.stage != item.stage:
                 to_resend.append(item)
         return to_resend
 

@@ -84,6 +84,7 @@ class Trainer:
         self._snapshot: Tuple[PeerInfo, ...] = ()
         self._refresh_now = asyncio.Event()
         self._resending: set = set()
+        self._last_seen: Dict[str, float] = {}  # peer id -> when a DHT read last showed its record
         self._tasks: List[asyncio.Task] = []
         self._ids = itertools.count()
 
@@ -107,11 +108,20 @@ class Trainer:
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
 
     async def refresh(self) -> None:
-        """Read the swarm's peers from the DHT; queue re-sends of contributions that were lost."""
-        self.records = await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord,
-                                           timeout=self.config.refresh_period_s * 5)
+        """Read the swarm's peers from the DHT; queue re-sends of contributions that were lost.
+
+        A failed read keeps the previous snapshot; a peer counts as gone only once it has been
+        missing from every read for ``peer_grace_s`` (a live peer's record can lapse for a moment)."""
+        try:
+            self.records = await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord,
+                                               timeout=self.config.refresh_period_s * 5, strict=True)
+        except LookupError:
+            return
+        now = time.monotonic()
+        self._last_seen.update({peer_id: now for peer_id in self.records})
+        gone = {peer_id for peer_id, seen in self._last_seen.items() if now - seen > self.config.peer_grace_s}
         self._snapshot = to_peer_infos(self.records, self.run.num_stages)
-        for item in self.ledger.resolve(self.records):
+        for item in self.ledger.resolve(self.records, gone):
             key = (item.micro_batch_id, item.stage)
             if key not in self._resending:
                 self._resending.add(key)
@@ -206,7 +216,7 @@ class Trainer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             await self.refresh()
-            if not self._resending and not self.ledger.resolve(self.records) and self.ledger.all_held(self.records):
+            if not self._resending and self.ledger.all_held(self.records):
                 return True
             await asyncio.sleep(self.config.refresh_period_s)
         return False

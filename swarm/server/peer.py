@@ -93,7 +93,7 @@ class StagePeer:
     async def _serve_stage(self, stage: int) -> None:
         """Take up ``stage``: build its module, get its current state, go online, start stepping."""
         self.stage, self.state, self.contributors = stage, "joining", {}
-        self.runner = StageRunner(self.run, stage, self.config.device, self.config.slowdown)
+        self.runner = StageRunner(self.run, stage, self.config.device, self.config.delay_per_sample_s)
         self.batcher = ForwardBatcher(self.runner.forward, self._executor, self.config.max_batch_samples)
         self.averager = self._make_averager()
         await self._announce()
@@ -321,7 +321,10 @@ class StagePeer:
 
     def _must_wait(self) -> bool:
         averaging = self.runner.frozen is not None and not self.config.overlap_averaging
-        return self.state == "online" and (averaging or self._stage_is_full())
+        # only the last stage (the clock) holds gradients back because its batch is full: an earlier
+        # stage doing so would hold the very micro-batches whose successors the clock is waiting for
+        clock_full = self.stage == self.run.num_stages - 1 and self._stage_is_full()
+        return self.state == "online" and (averaging or clock_full)
 
     async def _wait_for_room(self, samples: int) -> None:
         """Backpressure, bounded in time. Once the stage holds a whole global batch, new gradients wait

@@ -77,9 +77,9 @@ def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where
 class StageRunner:
     """One replica of one stage: compute, accumulate, step, and export/import its state."""
 
-    def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", slowdown: float = 1.0):
+    def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", delay_per_sample_s: float = 0.0):
         self.run, self.stage_index, self.device = run, stage_index, torch.device(device)
-        self.slowdown = slowdown
+        self.delay_per_sample_s = delay_per_sample_s
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
         self.module: StageModule = build_stage(run.model, stage_index, run.num_stages, run.seed).to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -119,7 +119,6 @@ class StageRunner:
         start = time.perf_counter()
         with self.lock:
             output = self.module(self._to_device(inputs), self._to_device(targets)).cpu()
-        self._emulate_slowdown(start)
         if not self.module.is_last:
             self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
         return output
@@ -154,15 +153,12 @@ class StageRunner:
                 raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
             accum_step = self._accumulate(micro_batch_id, batch, param_grads)
             self.samples_processed += batch
-        self._emulate_slowdown(start)
+        if self.delay_per_sample_s > 0:  # an emulated slower device: a fixed cost per sample, whatever the load
+            time.sleep(self.delay_per_sample_s * batch)
         kind = "forward_backward" if self.module.is_last else "backward"
         self.meter.update(kind, batch, time.perf_counter() - start)
         loss = float(outputs.detach()) if self.module.is_last else None
         return grad_inputs, loss, accum_step
-
-    def _emulate_slowdown(self, start: float) -> None:
-        if self.slowdown > 1.0:
-            time.sleep((time.perf_counter() - start) * (self.slowdown - 1.0))
 
     def _accumulate(self, micro_batch_id: str, batch: int, param_grads: Sequence[torch.Tensor]) -> int:
         frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
