@@ -20,7 +20,7 @@ from swarm.wire import decode
 from tests.utils.probe import Probe, online
 from tests.utils.processes import REPO, Launcher
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+module_loop = pytest.mark.asyncio(loop_scope="module")  # async tests share the module-scoped swarm
 HIDDEN, SEQ = 32, 16
 
 
@@ -64,6 +64,7 @@ BAD_REQUESTS = {
 }
 
 
+@module_loop
 @pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
 async def test_malformed_request_is_refused_and_peer_keeps_serving(swarm, case):
     probe, first, last = swarm
@@ -82,6 +83,7 @@ async def assert_still_serving(probe, first, last) -> None:
     assert 0 < loss < 20
 
 
+@module_loop
 async def test_backward_with_bad_gradient_is_refused(swarm):
     probe, first, last = swarm
     for grad, expected in ((torch.randn(2, SEQ, HIDDEN + 1), "grad_outputs must be"),
@@ -96,6 +98,7 @@ async def test_backward_with_bad_gradient_is_refused(swarm):
     await assert_still_serving(probe, first, last)
 
 
+@module_loop
 async def test_unknown_stage_and_method(swarm):
     probe, first, last = swarm
     with pytest.raises(RemoteError, match="serves stage 0") as error:
@@ -106,6 +109,7 @@ async def test_unknown_stage_and_method(swarm):
     await assert_still_serving(probe, first, last)
 
 
+@module_loop
 async def test_oversized_message_is_refused(swarm):
     probe, first, last = swarm
     big = torch.randint(0, 256, (2, 160_000))  # 2.5 MB of tokens > the peer's 1 MiB limit; goes as a stream
@@ -114,6 +118,7 @@ async def test_oversized_message_is_refused(swarm):
     await assert_still_serving(probe, first, last)
 
 
+@module_loop
 async def test_garbage_bytes_are_refused(swarm):
     probe, first, last = swarm
     await probe.call(first, "info", {})  # creates the probe's P2P replica
@@ -128,6 +133,7 @@ async def test_garbage_bytes_are_refused(swarm):
     await assert_still_serving(probe, first, last)
 
 
+@module_loop
 async def test_garbage_dht_records_are_ignored(swarm, caplog):
     probe, first, last = swarm
     key = peers_key(probe.run_id)
