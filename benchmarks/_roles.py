@@ -1,11 +1,9 @@
 """Start swarm roles as subprocesses on 127.0.0.1 for a benchmark, always stop them, and
 account the CPU time every process of the benchmark spends.
 
-Why not import ``tests/utils/processes.py``: a benchmark must not depend on test helpers,
-which carry test-only defaults (a tiny model, fast announce periods). The shape is the
-same: each role runs in its own session (process group), so stopping the group also stops
-the ``p2pd`` daemons and hivemind processes the role forked; roles print JSON event lines
-on stdout and a reader thread collects them.
+Roles are started with :class:`peers.launcher.RoleProcess` (as ``swarm demo`` does): each
+runs in its own session (process group), so stopping the group also stops the ``p2pd``
+daemons and hivemind processes the role forked.
 
 CPU accounting reads ``/proc`` (Linux), because on a 2-core machine "where the time goes"
 is mostly "which process holds a core": stage compute, serialization, or the p2pd daemons.
@@ -13,86 +11,19 @@ is mostly "which process holds a core": stage compute, serialization, or the p2p
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from peers.launcher import RoleProcess
+
 __all__ = ["RoleProcess", "Swarm", "cpu_seconds_by_kind", "machine_busy_seconds"]
 
-REPO = Path(__file__).resolve().parents[1]
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-
-
-class RoleProcess:
-    """One ``python -m peers.cli <role>`` subprocess: its stdout events, and stderr in a log file."""
-
-    def __init__(self, role: str, args: Sequence[str], log_dir: Path, name: str):
-        self.role, self.name = role, name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peers.cli", role, *args], cwd=REPO, stdout=subprocess.PIPE,
-            stderr=self._log, stdin=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
-        self.pid = self.proc.pid
-        self._events: "queue.Queue[Dict[str, Any]]" = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict) and "event" in event:
-                self._events.put(event)
-
-    def wait_event(self, name: str, timeout: float) -> Dict[str, Any]:
-        """The first event called ``name``; raises TimeoutError (with the log's tail) after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                event = self._events.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-                continue
-            if event["event"] == name:
-                return event
-        raise TimeoutError(f"{self.name} did not report {name!r} within {timeout}s "
-                           f"(exit code {self.proc.poll()}); log tail:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 20) -> str:
-        self._log.flush()
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def terminate(self) -> None:
-        """SIGTERM the role itself: it leaves gracefully while its own DHT and p2pd still work."""
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def kill_group(self) -> None:
-        """SIGKILL the whole process group: the role, its p2pd daemon and hivemind's forked helpers."""
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
 
 
 class Swarm:
@@ -122,7 +53,7 @@ class Swarm:
     def close(self, timeout: float = 15.0) -> None:
         """SIGTERM every role at once, give them ``timeout`` seconds in all, then SIGKILL every process group."""
         for process in self.processes:
-            process.terminate()
+            process.signal(signal.SIGTERM)  # the role leaves gracefully while its DHT and p2pd still work
         deadline = time.monotonic() + timeout
         for process in self.processes:
             try:
