@@ -145,3 +145,15 @@ def test_mover_is_stable_under_measurement_noise():
         assert len(moves) == 1 and moves[0][1:] == (0, 1)
         named.add(moves[0][0])
     assert named == {"p1"}
+
+
+def test_simultaneous_auto_joiners_settle_on_different_stages():
+    from swarm.policy.rebalance import settle_join_choice
+
+    base = [PeerInfo("p0", 0, "online", 10.0), PeerInfo("p1", 1, "online", 10.0)]
+    # both chose stage 0 from the same snapshot and announced it
+    joiners = [PeerInfo("a", 0, "joining"), PeerInfo("b", 0, "joining")]
+    snapshot = base + joiners
+    assert settle_join_choice(snapshot, "a", 0, 2) == 0  # the smallest id keeps its choice
+    assert settle_join_choice(snapshot, "b", 0, 2) == 1  # the other chooses again with "a" counted
+    assert settle_join_choice(base + [PeerInfo("b", 0, "joining")], "b", 0, 2) == 0  # alone: keeps it

@@ -41,6 +41,7 @@ from swarm.policy.snapshot import PeerInfo
 __all__ = [
     "RebalanceConfig", "stage_capacities", "choose_stage_for_new_peer", "plan_moves",
     "decide_move", "next_period_s", "estimated_throughputs", "swarm_throughput", "apply_moves",
+    "settle_join_choice",
 ]
 
 Move = Tuple[str, int, int]
@@ -133,6 +134,19 @@ def choose_stage_for_new_peer(peers: Sequence[PeerInfo], num_stages: int, my_thr
     _check_num_stages(num_stages)
     capacities, queues = _capacities_and_queues(peers, num_stages, _fill_value(peers, default_s=my_throughput))
     return _bottleneck(capacities, queues)
+
+
+def settle_join_choice(peers: Sequence[PeerInfo], my_peer_id: str, my_stage: int, num_stages: int) -> int:
+    """Re-check a ``--stage auto`` choice once it has been announced as 'joining'.
+
+    Peers that start together choose from the same snapshot and pick the same stage. Once the
+    choices are visible, the joiner with the smallest peer id on a stage keeps it; every other
+    joiner there chooses again with all of them counted, so two joiners never chase each other.
+    """
+    rivals = [p for p in peers if p.state == "joining" and p.stage == my_stage and p.peer_id != my_peer_id]
+    if not rivals or min(p.peer_id for p in rivals) > my_peer_id:
+        return my_stage
+    return choose_stage_for_new_peer([p for p in peers if p.peer_id != my_peer_id], num_stages)
 
 
 def _improves(new_sorted: Sequence[float], old_sorted: Sequence[float], min_gain: float) -> bool:

@@ -21,7 +21,7 @@ from hivemind.utils import get_logger
 from swarm import PROTOCOL_VERSION
 from swarm.config import PeerConfig
 from swarm.dht_io import fetch_records, store_record
-from swarm.policy.rebalance import choose_stage_for_new_peer, decide_move, next_period_s
+from swarm.policy.rebalance import choose_stage_for_new_peer, decide_move, next_period_s, settle_join_choice
 from swarm.records import PeerRecord, peers_key, to_peer_infos
 from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
 from swarm.server.averaging import StageAverager
@@ -78,7 +78,10 @@ class StagePeer:
         torch.set_num_threads(self.config.num_threads)
         if self.dht is None:
             self.dht = start_dht(self.config.network)
-        await self._serve_stage(await self._choose_stage())
+        stage = await self._choose_stage()
+        if self.config.stage == "auto":
+            stage = await self._settle_auto_stage(stage)
+        await self._serve_stage(stage)
         p2p = await self.dht.replicate_p2p()
         handlers = {"forward": self._rpc_forward, "backward": self._rpc_backward, "info": self._rpc_info,
                     "parameters": self._rpc_parameters}
@@ -109,6 +112,18 @@ class StagePeer:
             return int(self.config.stage)
         snapshot = to_peer_infos(await self._peer_records(), self.run.num_stages)
         return choose_stage_for_new_peer(snapshot, self.run.num_stages)
+
+    async def _settle_auto_stage(self, stage: int) -> int:
+        """Announce the automatic choice as 'joining', let peers that chose at the same moment
+        announce theirs, and give way (see :func:`settle_join_choice`) if one of them got there first."""
+        self.stage, self.state = stage, "joining"
+        await self._announce()
+        await asyncio.sleep(random.uniform(0.5, 1.5))
+        snapshot = to_peer_infos(await self._peer_records(), self.run.num_stages)
+        settled = settle_join_choice(snapshot, self.peer_id, stage, self.run.num_stages)
+        if settled != stage:
+            logger.info(f"another peer is joining stage {stage} at the same time; joining stage {settled} instead")
+        return settled
 
     def _make_averager(self) -> StageAverager:
         return StageAverager(
