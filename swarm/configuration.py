@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import yaml
 
-__all__ = ["ConfigError", "config_from_dict", "config_to_dict", "parse_role_config"]
+__all__ = ["ConfigError", "config_from_dict", "parse_role_config"]
 
 T = TypeVar("T")
 
@@ -111,10 +111,6 @@ def config_from_dict(cls: Type[T], data: Mapping[str, Any], prefix: str = "") ->
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{prefix or cls.__name__ + ': '}{e}") from None
-
-
-def config_to_dict(config: Any) -> Dict[str, Any]:
-    return dataclasses.asdict(config)
 
 
 def _leaves(cls: type, path: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[str, ...], dataclasses.Field, Any]]:

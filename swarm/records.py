@@ -15,7 +15,6 @@ from typing import Dict, List, Literal, Optional, Tuple
 from hivemind.utils import get_logger
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from swarm import PROTOCOL_VERSION
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
@@ -121,6 +120,3 @@ def to_peer_infos(records: Dict[str, PeerRecord], num_stages: int) -> Tuple[Peer
         infos.append(PeerInfo(record.peer_id, record.stage, record.state, record.throughput, record.queue_length))
     return tuple(sorted(infos, key=lambda info: (info.stage, info.peer_id)))
 
-
-def make_peer_record(**fields) -> PeerRecord:
-    return PeerRecord(version=PROTOCOL_VERSION, **fields)

@@ -408,9 +408,6 @@ class StagePeer:
     async def _peer_records(self) -> Dict[str, PeerRecord]:
         return await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord)
 
-    async def _stage_records(self) -> Dict[str, PeerRecord]:
-        return {k: r for k, r in (await self._peer_records()).items() if r.stage == self.stage}
-
     # ---- global steps ----
 
     async def _coordinate_loop(self) -> None:
