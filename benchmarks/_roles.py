@@ -12,13 +12,10 @@ is mostly "which process holds a core": stage compute, serialization, or the p2p
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from peers.launcher import RoleProcess
+from peers.launcher import RoleProcess, stop_all
 
 __all__ = ["RoleProcess", "Swarm", "cpu_seconds_by_kind", "machine_busy_seconds"]
 
@@ -52,16 +49,7 @@ class Swarm:
 
     def close(self, timeout: float = 15.0) -> None:
         """SIGTERM every role at once, give them ``timeout`` seconds in all, then SIGKILL every process group."""
-        for process in self.processes:
-            process.signal(signal.SIGTERM)  # the role leaves gracefully while its DHT and p2pd still work
-        deadline = time.monotonic() + timeout
-        for process in self.processes:
-            try:
-                process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for process in self.processes:
-            process.kill_group()
+        stop_all(self.processes, timeout)
 
 
 # ---- CPU accounting over /proc ----

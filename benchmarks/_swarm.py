@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peers.launcher import RoleProcess  # noqa: E402
+from peers.launcher import RoleProcess, stop_all  # noqa: E402
 from swarm.dht_io import fetch_records  # noqa: E402
 from swarm.records import PeerRecord, TrainerRecord, trainers_key  # noqa: E402
 from tests.utils.probe import Probe, online  # noqa: E402
@@ -120,23 +119,7 @@ class LiveSwarm:
 
     def close(self, timeout: float = 10.0) -> None:
         """SIGTERM every role at once, wait at most ``timeout`` s in all, then SIGKILL every process group."""
-        for process in self.processes:
-            try:
-                process.signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + timeout
-        for process in self.processes:
-            try:
-                process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for process in self.processes:
-            process.kill_group()
-            try:
-                process._log.close()
-            except Exception:
-                pass
+        stop_all(self.processes, timeout)
         if self.probe is not None:
             try:
                 self.probe.shutdown()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["RoleProcess", "REPO"]
+__all__ = ["RoleProcess", "REPO", "stop_all"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,10 @@ class RoleProcess:
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # exited since the poll
+                pass
 
     def kill_group(self) -> None:
         """SIGKILL the whole process group: the role, its p2pd daemons and forked helpers."""
@@ -88,14 +91,23 @@ class RoleProcess:
             pass
 
     def stop(self, timeout: float = 20.0) -> Optional[int]:
-        """SIGTERM, wait for a clean exit, then kill whatever is left of the group."""
-        if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        code = self.proc.poll()
-        self.kill_group()
-        self._log.close()
-        return code
+        """SIGTERM, wait for a clean exit, then kill whatever is left of the group; returns the exit code."""
+        return stop_all([self], timeout)[0]
+
+
+def stop_all(processes: Sequence[RoleProcess], timeout: float) -> List[Optional[int]]:
+    """SIGTERM every role at once, give them ``timeout`` seconds in all to leave gracefully, then
+    SIGKILL every process group (p2pd daemons included); returns each role's clean exit code, or None."""
+    for process in processes:
+        process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    codes = [process.proc.poll() for process in processes]
+    for process in processes:
+        process.kill_group()
+        process._log.close()
+    return codes
