@@ -237,7 +237,14 @@ class StagePeer:
                 loaded = None
             if loaded is not None:
                 metadata, tensors = loaded
-                await self._compute(self.runner.load_state, metadata, tensors)
+                try:
+                    await self._compute(self.runner.load_state, metadata, tensors)
+                except ValueError as e:
+                    # hivemind's state stream can end early without an error (a short tensor list);
+                    # load_state checks every tensor before touching anything, so just try again
+                    logger.warning(f"downloaded state rejected, retrying: {e}")
+                    await asyncio.sleep(1.0)
+                    continue
                 logger.info(f"stage {self.stage}: downloaded state at step {self.runner.step}")
                 return True
             await asyncio.sleep(1.0)

@@ -235,10 +235,15 @@ class StageRunner:
         num = len(self.params)
         if metadata.get("stage") != self.stage_index or len(tensors) != 3 * num + 1:
             raise ValueError(f"{self.where}: state of stage {metadata.get('stage')} with {len(tensors)} tensors does not fit")
+        for i, p in enumerate(self.params):  # check everything before changing anything
+            for what, t in (("parameter", tensors[i]), ("exp_avg", tensors[num + 2 * i]),
+                            ("exp_avg_sq", tensors[num + 2 * i + 1])):
+                if t.shape != p.shape:
+                    raise ValueError(f"{self.where}: {what} {i} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+        if tensors[-1].numel() != 1:
+            raise ValueError(f"{self.where}: the optimizer step count must be one number")
         with self.lock:
             for i, p in enumerate(self.params):
-                if tensors[i].shape != p.shape:
-                    raise ValueError(f"{self.where}: parameter {i} has shape {tuple(tensors[i].shape)}, expected {tuple(p.shape)}")
                 state = self.optimizer.state[p]
                 p.data.copy_(tensors[i])
                 state["exp_avg"].copy_(tensors[num + 2 * i])
