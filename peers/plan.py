@@ -44,6 +44,10 @@ def _print_report(report, network) -> None:
         print("  left out: " + ", ".join(network.names[d] for d in b.allocation.unused))
     print(f"iteration time {b.total_s:.2f} s = stage {b.stage_s:.2f} s (all-reduce {b.dp_s:.2f} s, "
           f"compute {b.compute_s:.2f} s) + 2 x pipeline {b.pipeline_s:.2f} s; solved in {report.ours.solve_s:.1f} s")
+    if report.ours.proven_optimal:
+        print(f"proven optimal among equal-group allocations (lower bound {report.ours.lower_bound_s:.2f} s)")
+    elif report.ours.lower_bound_s is not None:
+        print(f"proven lower bound for equal-group allocations: {report.ours.lower_bound_s:.2f} s")
     print(f"baselines: random mean {report.random_mean_s:.2f} s, best of K random {report.best_of_random_s:.2f} s, "
           f"grid {report.grid.total_s:.2f} s")
     if report.genetic is not None:
@@ -59,6 +63,7 @@ def _summary(report, network) -> dict:
         "solve_s": report.ours.solve_s, "random_mean_s": report.random_mean_s,
         "best_of_random_s": report.best_of_random_s, "grid_s": report.grid.total_s,
         "genetic_s": None if report.genetic is None else report.genetic.breakdown.total_s,
+        "lower_bound_s": report.ours.lower_bound_s, "proven_optimal": report.ours.proven_optimal,
     }
 
 

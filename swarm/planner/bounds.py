@@ -27,7 +27,7 @@ from swarm.planner.cost import CostModel
 from swarm.planner.path import path_cost
 from swarm.planner.symmetry import TypedCost
 
-__all__ = ["lower_bound", "enumerate_rows", "threshold_bound", "exact_optimum"]
+__all__ = ["lower_bound", "enumerate_rows", "threshold_bound", "exact_optimum", "forced_counts"]
 
 MAX_ROWS = 50_000  # compositions of one group; beyond this the bound is not attempted
 MAX_MATRICES = 20_000  # count matrices priced by ``exact_optimum`` before it gives up
@@ -51,7 +51,7 @@ def enumerate_rows(type_sizes: np.ndarray, size: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def _forced(typed: TypedCost) -> np.ndarray:
+def forced_counts(typed: TypedCost) -> np.ndarray:
     """Devices of each type that every allocation must use (all, unless some are left over)."""
     spare = int(typed.type_sizes.sum()) - typed.num_groups * typed.size
     return np.maximum(typed.type_sizes - spare, 0)
@@ -64,7 +64,7 @@ def threshold_bound(typed: TypedCost, rows: np.ndarray) -> float:
     order = np.argsort(stage, kind="stable")
     taus = stage[order]
     most = np.maximum.accumulate(rows[order], axis=0)  # m_t for each tau, shape (R, T)
-    forced = _forced(typed)
+    forced = forced_counts(typed)
     appears = most > 0
     cheapest = np.where(appears[:, None, :], typed.link[None, :, :], np.inf).min(2)  # l_t
     feasible = (appears | (forced == 0)).all(1) & (most * s >= forced).all(1)
@@ -94,7 +94,7 @@ def exact_optimum(typed: TypedCost, rows: np.ndarray) -> Optional[float]:
         count = count * (len(rows) + k) // (k + 1)
     if count > 50 * MAX_MATRICES:
         return None
-    forced, best, priced = _forced(typed), np.inf, 0
+    forced, best, priced = forced_counts(typed), np.inf, 0
     for combo in _matrices(rows, forced, typed.type_sizes, s):
         priced += 1
         if priced > MAX_MATRICES:

@@ -14,6 +14,9 @@ Phase 2 (our extension, on by default) leaves the equal-size space: a best-impro
 descent that may drop a device, move one to another group, or bring a dropped one back,
 taken only while it lowers the iteration time.
 
+When the lower bound is not reached, ``certificate`` tries to prove the phase-1 result optimal
+(regional: it is), so a tie with another search is known to be the optimum, not a shared trap.
+
 Pure and deterministic for a seed: budgets are evaluation counts and convergence; the wall
 time budget is only a safety cap (a run that hits it says so in ``SearchResult.hit_time_cap``).
 """
@@ -30,6 +33,7 @@ import numpy as np
 from swarm.planner.balanced import FastCost, SwapState
 from swarm.planner.cost import CostBreakdown, CostModel
 from swarm.planner.bounds import lower_bound
+from swarm.planner.certificate import certified_lower_bound, certify_optimal
 from swarm.planner.counts import AnnealSchedule, CountState, anneal_counts
 from swarm.planner.seeds import block_striped_groups, grid_groups, type_orders
 from swarm.planner.symmetry import TypedCost, counts_to_groups, groups_to_counts
@@ -82,6 +86,7 @@ class SearchResult:
     num_evaluations: int
     lower_bound_s: Optional[float] = None  # proven bound for equal groups (None: not computed)
     hit_time_cap: bool = False  # the wall-time cap cut the search short (result may vary by machine)
+    proven_optimal: bool = False  # no equal-group allocation beats the phase-1 result (``certificate``)
 
 
 def _anneal(state: SwapState, rng: np.random.Generator, config: SearchConfig, deadline: float,
@@ -175,11 +180,18 @@ def search(model: CostModel, config: SearchConfig, initial: Sequence[Placement] 
     else:
         best, best_total, evaluations = _device_chains(fast, starts, config, rng, deadline, target)
     if fast.total(starts[0][0]) <= best_total:
-        best = starts[0]
+        best, best_total = starts[0], fast.total(starts[0][0])
+    proven = bound is not None and (best_total <= target or (
+        typed.num_types < model.num_devices and time.perf_counter() < deadline
+        and certify_optimal(typed, best_total)))
+    if proven:
+        bound = max(bound, best_total)
+    elif bound is not None and typed.num_types < model.num_devices:
+        bound = certified_lower_bound(typed, bound, best_total, deadline=deadline)
     groups, unused = [list(map(int, row)) for row in best[0]], [int(d) for d in best[1]]
     if config.allow_uneven:
         groups, unused, count = improve_uneven(model, groups, unused, deadline)
         evaluations += count
     breakdown = model.evaluate(groups, unused)
     hit_cap = time.perf_counter() >= deadline
-    return SearchResult(breakdown, time.perf_counter() - began, evaluations, bound, hit_cap)
+    return SearchResult(breakdown, time.perf_counter() - began, evaluations, bound, hit_cap, proven)
