@@ -98,8 +98,23 @@ class PipelineClient:
         grad = reply.get("grad_inputs")
         for stage in reversed(range(last)):
             item = Contribution(micro_batch_id, stage, "", 0, int(inputs.shape[0]), stage_inputs[stage], grad, None)
-            grad = (await self.backward(item)).get("grad_inputs")
+            grad = (await self._backward_persistently(item)).get("grad_inputs")
         return loss
+
+    async def _backward_persistently(self, item: Contribution, rounds: int = 3) -> Dict[str, Any]:
+        """Backward of a stage below the last: the stages above already counted this micro-batch,
+        so giving up would leave them with samples this stage never saw. Retry a few rounds (a
+        stage can be briefly without replicas while a peer moves) before failing the micro-batch."""
+        for attempt in range(rounds):
+            try:
+                return await self.backward(item)
+            except (StageUnavailable, RemoteError) as e:
+                # our own, well-formed request: a 'bad_request' here means a mangled transfer
+                if attempt == rounds - 1:
+                    raise
+                logger.warning(f"backward of {item.micro_batch_id} at stage {item.stage} failed, retrying: {e}")
+                await asyncio.sleep(min(2.0 * 2**attempt, 10.0))
+        raise AssertionError("unreachable")
 
     async def backward(self, item: Contribution, resend: bool = False) -> Dict[str, Any]:
         """Run (or re-run) one stage's backward for a contribution and record where it landed."""
