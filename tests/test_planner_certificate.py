@@ -1,5 +1,5 @@
 """The optimality certificate of swarm.planner (issue 4): sound on brute-forced networks, and
-it proves the regional optimum that the paper's GA also reaches."""
+it proves the regional optimum (which the paper's GA also reaches) and the world-wide one."""
 
 from itertools import permutations
 
@@ -8,7 +8,7 @@ import pytest
 
 from swarm.planner import CostModel, Network, SearchConfig, Workload, load_scenario, search
 from swarm.planner.balanced import FastCost
-from swarm.planner.certificate import certify_optimal, fewest_distinct_rows, pair_floor
+from swarm.planner.certificate import certify_optimal, fewest_distinct_rows, type_clusters
 from swarm.planner.bounds import enumerate_rows
 from swarm.planner.symmetry import TypedCost
 
@@ -37,13 +37,12 @@ def test_never_certifies_a_cost_that_can_be_beaten(seed, sizes, stages):
     assert not certify_optimal(typed, optimum + 10.0)
 
 
-def test_pair_floor_is_below_every_exact_edge():
-    model = CostModel(load_scenario("world-wide"), Workload())
-    typed = TypedCost(model)
-    rows = enumerate_rows(typed.type_sizes, typed.size)[::97]
-    floor = pair_floor(typed, rows)
-    exact = min(typed.row_edge_s(x, y) for i, x in enumerate(rows) for y in rows[i + 1:])
-    assert 0 < floor <= exact + 1e-12
+def test_type_clusters_split_at_the_widest_gap():
+    typed = TypedCost(CostModel(load_scenario("world-wide"), Workload()))
+    names = ["Oregon", "Virginia", "Ohio", "Tokyo", "Seoul", "London", "Frankfurt", "Ireland"]
+    labels = type_clusters(typed)
+    asia = {labels[names.index("Tokyo")], labels[names.index("Seoul")]}
+    assert len(asia) == 1 and len(set(labels)) == 2  # Asia vs the rest
 
 
 def test_fewest_distinct_rows():
@@ -62,3 +61,15 @@ def test_regional_optimum_is_certified():
     found = search(model, SearchConfig(seed=0, allow_uneven=False)).breakdown.total_s
     assert certify_optimal(typed, found)
     assert not certify_optimal(typed, found * 1.001)
+
+
+def test_world_wide_optimum_is_certified():
+    """One device of every region per stage is the optimum of the equal-group problem: half the
+    random mean (about 47 s) cannot be reached under this cost model."""
+    model = CostModel(load_scenario("world-wide"), Workload())
+    typed = TypedCost(model)
+    per_region = [[8 * region + k for region in range(8)] for k in range(8)]
+    cost = model.total_s(per_region)
+    assert cost == pytest.approx(49.708, abs=1e-3)
+    assert certify_optimal(typed, cost)
+    assert not certify_optimal(typed, cost * 1.001)

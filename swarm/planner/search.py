@@ -15,7 +15,7 @@ descent that may drop a device, move one to another group, or bring a dropped on
 taken only while it lowers the iteration time.
 
 When the lower bound is not reached, ``certificate`` tries to prove the phase-1 result optimal
-(regional: it is), so a tie with another search is known to be the optimum, not a shared trap.
+(it is, in every scenario of the paper), so a tie with another search is known to be the optimum, not a shared trap.
 
 Pure and deterministic for a seed: budgets are evaluation counts and convergence; the wall
 time budget is only a safety cap (a run that hits it says so in ``SearchResult.hit_time_cap``).
@@ -183,7 +183,7 @@ def search(model: CostModel, config: SearchConfig, initial: Sequence[Placement] 
         best, best_total = starts[0], fast.total(starts[0][0])
     proven = bound is not None and (best_total <= target or (
         typed.num_types < model.num_devices and time.perf_counter() < deadline
-        and certify_optimal(typed, best_total)))
+        and certify_optimal(typed, best_total, deadline)))
     if proven:
         bound = max(bound, best_total)
     elif bound is not None and typed.num_types < model.num_devices:
