@@ -163,6 +163,21 @@ def _device_chains(fast: FastCost, starts: list[Placement], config: SearchConfig
     return best, best_total, evaluations
 
 
+def _prove(model: CostModel, typed: TypedCost, bound: Optional[float], best_total: float,
+           deadline: float) -> tuple[bool, Optional[float]]:
+    """Whether the phase-1 cost is proven optimal for equal groups, and the best proven bound;
+    the certificate needs interchangeable devices (it works on count rows)."""
+    if bound is None:
+        return False, None
+    if best_total <= bound * (1.0 + 1e-9):
+        return True, bound
+    if typed.num_types == model.num_devices or time.perf_counter() >= deadline:
+        return False, bound
+    if certify_optimal(typed, best_total, deadline):
+        return True, best_total
+    return False, certified_lower_bound(typed, bound, best_total, deadline=deadline)
+
+
 def search(model: CostModel, config: SearchConfig, initial: Sequence[Placement] = ()) -> SearchResult:
     """Find a low-cost allocation; never worse than ``initial`` or the constructive starts."""
     from swarm.planner.uneven import improve_uneven  # phase 2 lives in its own module
@@ -181,17 +196,11 @@ def search(model: CostModel, config: SearchConfig, initial: Sequence[Placement] 
         best, best_total, evaluations = _device_chains(fast, starts, config, rng, deadline, target)
     if fast.total(starts[0][0]) <= best_total:
         best, best_total = starts[0], fast.total(starts[0][0])
-    proven = bound is not None and (best_total <= target or (
-        typed.num_types < model.num_devices and time.perf_counter() < deadline
-        and certify_optimal(typed, best_total, deadline)))
-    if proven:
-        bound = max(bound, best_total)
-    elif bound is not None and typed.num_types < model.num_devices:
-        bound = certified_lower_bound(typed, bound, best_total, deadline=deadline)
     groups, unused = [list(map(int, row)) for row in best[0]], [int(d) for d in best[1]]
     if config.allow_uneven:
         groups, unused, count = improve_uneven(model, groups, unused, deadline)
         evaluations += count
+    hit_cap = time.perf_counter() >= deadline  # the allocation is final; what follows only proves
+    proven, bound = _prove(model, typed, bound, best_total, deadline)
     breakdown = model.evaluate(groups, unused)
-    hit_cap = time.perf_counter() >= deadline
     return SearchResult(breakdown, time.perf_counter() - began, evaluations, bound, hit_cap, proven)
