@@ -8,7 +8,7 @@ import pytest
 
 from swarm.planner import CostModel, Network, SearchConfig, Workload, load_scenario, search
 from swarm.planner.balanced import FastCost
-from swarm.planner.certificate import certify_optimal, fewest_distinct_rows, type_clusters
+from swarm.planner.certificate import admissible_rows, certify_optimal, class_is_empty, type_clusters
 from swarm.planner.bounds import enumerate_rows
 from swarm.planner.symmetry import TypedCost
 
@@ -45,14 +45,19 @@ def test_type_clusters_split_at_the_widest_gap():
     assert len(asia) == 1 and len(set(labels)) == 2  # Asia vs the rest
 
 
-def test_fewest_distinct_rows():
-    model = CostModel(load_scenario("regional"), Workload())  # 4 sites x 16, 8 groups of 8
-    typed = TypedCost(model)
-    rows = enumerate_rows(typed.type_sizes, typed.size)
-    assert fewest_distinct_rows(typed, rows) == 1  # two of each site, eight times
-    single_site = rows[(rows == 8).any(1)]  # whole groups at one site: two groups per site
-    assert fewest_distinct_rows(typed, single_site) == 4
-    assert fewest_distinct_rows(typed, single_site[:3]) == float("inf")  # a site left out
+def test_class_is_empty_counts_distinct_rows():
+    typed = TypedCost(CostModel(load_scenario("regional"), Workload()))  # 4 sites x 16, 8 groups of 8
+    data = admissible_rows(typed, float("inf"))
+
+    def empty(keep, k):
+        return class_is_empty(typed, data, keep, k, k, float("inf"), float("inf"), price=False)
+
+    everything = np.ones(len(data.rows), dtype=bool)
+    assert not empty(everything, 1)  # two of each site, eight times
+    single_site = (data.rows == 8).any(1)  # whole groups at one site: two groups per site
+    assert empty(single_site, 3) and not empty(single_site, 4)
+    three_sites = single_site & (np.cumsum(single_site) <= 3)
+    assert empty(three_sites, 8)  # a site left out: its devices cannot all be placed
 
 
 def test_regional_optimum_is_certified():

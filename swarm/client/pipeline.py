@@ -105,16 +105,14 @@ class PipelineClient:
         """Backward of a stage below the last: the stages above already counted this micro-batch,
         so giving up would leave them with samples this stage never saw. Retry a few rounds (a
         stage can be briefly without replicas while a peer moves) before failing the micro-batch."""
-        for attempt in range(rounds):
+        for attempt in range(rounds - 1):
             try:
                 return await self.backward(item)
             except (StageUnavailable, RemoteError) as e:
                 # our own, well-formed request: a 'bad_request' here means a mangled transfer
-                if attempt == rounds - 1:
-                    raise
                 logger.warning(f"backward of {item.micro_batch_id} at stage {item.stage} failed, retrying: {e}")
                 await asyncio.sleep(min(2.0 * 2**attempt, 10.0))
-        raise AssertionError("unreachable")
+        return await self.backward(item)
 
     async def backward(self, item: Contribution, resend: bool = False) -> Dict[str, Any]:
         """Run (or re-run) one stage's backward for a contribution and record where it landed."""

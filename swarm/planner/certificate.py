@@ -39,7 +39,8 @@ from swarm.planner.bounds import enumerate_rows, forced_counts
 from swarm.planner.path import path_cost
 from swarm.planner.symmetry import TypedCost
 
-__all__ = ["certify_optimal", "certified_lower_bound", "type_clusters", "fewest_distinct_rows"]
+__all__ = ["certify_optimal", "certified_lower_bound", "type_clusters", "admissible_rows", "class_is_empty",
+           "AdmissibleRows"]
 
 MILP_TIME_LIMIT_S = 20.0
 MAX_CUTS_PER_CLASS = 200  # row sets priced exactly in one (k, j) class before giving up
@@ -63,7 +64,7 @@ def type_clusters(typed: TypedCost) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class _Rows:
+class AdmissibleRows:
     """Every admissible row with its stage time, self-edge and cluster-level row id."""
 
     rows: np.ndarray
@@ -73,7 +74,7 @@ class _Rows:
     clusters: np.ndarray
 
 
-def _floors(typed: TypedCost, data: _Rows, keep: np.ndarray) -> tuple[float, float, float]:
+def _floors(typed: TypedCost, data: AdmissibleRows, keep: np.ndarray) -> tuple[float, float, float]:
     """(same, cross, cut) over the kept rows: see the module doc."""
     present = (data.rows[keep] > 0).any(0)
     link, clusters = typed.link[np.ix_(present, present)], data.clusters[present]
@@ -114,11 +115,11 @@ def _cheapest_with_rows(typed: TypedCost, rows: np.ndarray) -> float:
     return best
 
 
-def _class_is_empty(typed: TypedCost, data: _Rows, keep: np.ndarray, k: int, j: int, beat_s: float,
-                    deadline: float) -> bool:
+def class_is_empty(typed: TypedCost, data: AdmissibleRows, keep: np.ndarray, k: int, j: int, beat_s: float,
+                   deadline: float, price: bool = True) -> bool:
     """True when no allocation from the kept rows, with at most k distinct rows and j distinct
-    cluster rows, costs below ``beat_s``. Variables: n_r (groups given row r), z_r (row r used),
-    w_q (cluster row q used)."""
+    cluster rows, costs below ``beat_s``; with ``price=False``, when no such allocation exists at
+    all. Variables: n_r (groups given row r), z_r (row r used), w_q (cluster row q used)."""
     index = np.flatnonzero(keep)
     rows, count = data.rows[index], len(index)
     if count == 0:
@@ -155,7 +156,7 @@ def _class_is_empty(typed: TypedCost, data: _Rows, keep: np.ndarray, k: int, j: 
         if result.status != 0:
             return False
         used = np.flatnonzero(result.x[count:2 * count] > 0.5)
-        if _cheapest_with_rows(typed, rows[used]) < beat_s:
+        if not price or _cheapest_with_rows(typed, rows[used]) < beat_s:
             return False
         cut = np.zeros(size)  # exclude exactly this row set: sum_{used} z - sum_{others} z <= |used| - 1
         cut[count:2 * count] = -1.0
@@ -164,7 +165,8 @@ def _class_is_empty(typed: TypedCost, data: _Rows, keep: np.ndarray, k: int, j: 
     return False
 
 
-def _admissible(typed: TypedCost, limit: float) -> Optional[_Rows]:
+def admissible_rows(typed: TypedCost, limit: float) -> Optional[AdmissibleRows]:
+    """Every group composition whose stage time is below ``limit`` (None: too many to list)."""
     try:
         rows = enumerate_rows(typed.type_sizes, typed.size)
     except OverflowError:
@@ -175,7 +177,7 @@ def _admissible(typed: TypedCost, limit: float) -> Optional[_Rows]:
     per_cluster = np.stack([rows[:, clusters == c].sum(1) for c in range(clusters.max() + 1)], 1)
     cluster_row = np.unique(per_cluster, axis=0, return_inverse=True)[1].ravel()
     same = np.array([typed.row_edge_s(r, r) for r in rows])
-    return _Rows(rows, stage, same, cluster_row, clusters)
+    return AdmissibleRows(rows, stage, same, cluster_row, clusters)
 
 
 def certify_optimal(typed: TypedCost, incumbent_s: float, deadline: float = float("inf"),
@@ -185,13 +187,15 @@ def certify_optimal(typed: TypedCost, incumbent_s: float, deadline: float = floa
     False when that cannot be shown, or not before ``deadline`` (``time.perf_counter()``).
     ``price_candidates=False`` skips the exact pricing of candidate row sets (faster, weaker)."""
     limit = incumbent_s * (1.0 - 1e-9)
-    data = _admissible(typed, limit)
+    data = admissible_rows(typed, limit)
     if data is None:
         return False
     s = typed.num_groups
     for k in range(1, s + 1):
-        # the fast form checks j = 1 only: its floor is the weakest, so it covers every j
+        # The fast form takes j = 1 only, the weakest floor, and lets the program use up to k
+        # cluster rows: one check then covers every j.
         for j in (range(1, k + 1) if price_candidates else (1,)):
+            cluster_rows = j if price_candidates else k
             threshold = limit
             while True:  # fixed point: fewer admissible rows, higher floors, lower threshold
                 keep = data.stage < threshold
@@ -204,39 +208,9 @@ def certify_optimal(typed: TypedCost, incumbent_s: float, deadline: float = floa
             keep = data.stage < threshold
             if not keep.any():
                 continue
-            left_s = min(MILP_TIME_LIMIT_S, deadline - time.perf_counter())
-            if left_s <= 0:
-                return False
-            if price_candidates:
-                if not _class_is_empty(typed, data, keep, k, j, limit, deadline):
-                    return False
-            elif fewest_distinct_rows(typed, data.rows[keep], left_s) <= k + 1e-6:
+            if not class_is_empty(typed, data, keep, k, cluster_rows, limit, deadline, price=price_candidates):
                 return False
     return True
-
-
-def fewest_distinct_rows(typed: TypedCost, rows: np.ndarray, time_limit_s: float = MILP_TIME_LIMIT_S) -> float:
-    """Fewest distinct rows (a proven lower bound on it) that fill S groups within the device counts;
-    inf when these rows cannot fill them at all."""
-    s, count = typed.num_groups, len(rows)
-    if count == 0:
-        return float("inf")
-    cap = np.minimum(s, np.where(rows > 0, typed.type_sizes[None, :] // np.maximum(rows, 1), s).min(1)).astype(float)
-    constraints = [
-        LinearConstraint(hstack([csr_matrix(rows.T.astype(float)), csr_matrix((typed.num_types, count))]),
-                         forced_counts(typed), typed.type_sizes),
-        LinearConstraint(hstack([csr_matrix(np.ones((1, count))), csr_matrix((1, count))]), s, s),
-        LinearConstraint(hstack([diags(np.ones(count)), diags(-cap)]), -np.inf, 0.0),
-    ]
-    result = milp(np.concatenate([np.zeros(count), np.ones(count)]), constraints=constraints,
-                  integrality=np.ones(2 * count), bounds=Bounds(0.0, np.concatenate([cap, np.ones(count)])),
-                  options={"time_limit": time_limit_s})
-    if result.status == 2:
-        return float("inf")
-    if result.status == 0:
-        return float(result.fun)
-    bound = getattr(result, "mip_dual_bound", None)
-    return float(bound) if bound is not None and np.isfinite(bound) else 0.0
 
 
 def certified_lower_bound(typed: TypedCost, low_s: float, high_s: float, steps: int = 10,

@@ -15,7 +15,8 @@ descent that may drop a device, move one to another group, or bring a dropped on
 taken only while it lowers the iteration time.
 
 When the lower bound is not reached, ``certificate`` tries to prove the phase-1 result optimal
-(it is, in every scenario of the paper), so a tie with another search is known to be the optimum, not a shared trap.
+(it is, in every scenario of the paper), so a tie with another search is known to be the
+optimum, not a shared trap.
 
 Pure and deterministic for a seed: budgets are evaluation counts and convergence; the wall
 time budget is only a safety cap (a run that hits it says so in ``SearchResult.hit_time_cap``).
