@@ -164,13 +164,13 @@ def _device_chains(fast: FastCost, starts: list[Placement], config: SearchConfig
     return best, best_total, evaluations
 
 
-def _prove(model: CostModel, typed: TypedCost, bound: Optional[float], best_total: float,
+def _prove(model: CostModel, typed: TypedCost, bound: Optional[float], target: float, best_total: float,
            deadline: float) -> tuple[bool, Optional[float]]:
     """Whether the phase-1 cost is proven optimal for equal groups, and the best proven bound;
     the certificate needs interchangeable devices (it works on count rows)."""
     if bound is None:
         return False, None
-    if best_total <= bound * (1.0 + 1e-9):
+    if best_total <= target:
         return True, bound
     if typed.num_types == model.num_devices or time.perf_counter() >= deadline:
         return False, bound
@@ -202,6 +202,6 @@ def search(model: CostModel, config: SearchConfig, initial: Sequence[Placement] 
         groups, unused, count = improve_uneven(model, groups, unused, deadline)
         evaluations += count
     hit_cap = time.perf_counter() >= deadline  # the allocation is final; what follows only proves
-    proven, bound = _prove(model, typed, bound, best_total, deadline)
+    proven, bound = _prove(model, typed, bound, target, best_total, deadline)
     breakdown = model.evaluate(groups, unused)
     return SearchResult(breakdown, time.perf_counter() - began, evaluations, bound, hit_cap, proven)
