@@ -12,7 +12,7 @@ from swarm.configuration import parse_role_config
 
 
 async def serve(config: BootstrapConfig) -> int:
-    from swarm.server.peer import start_dht
+    from swarm.dht import start_dht
 
     stop = stop_event()
     dht = start_dht(config.network)

@@ -49,7 +49,7 @@ def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
 
 
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
-    from swarm.server.peer import start_dht
+    from swarm.dht import start_dht
 
     dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True)
     started = time.monotonic()

@@ -50,7 +50,7 @@ async def status_line(dht, run_id: str, elapsed: float) -> str:
 
 
 async def watch(config: StatusConfig) -> int:
-    from swarm.server.peer import start_dht
+    from swarm.dht import start_dht
 
     stop = stop_event()
     dht = start_dht(config.network, client_mode=True)

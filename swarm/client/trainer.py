@@ -28,7 +28,7 @@ from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.records import PeerRecord, TrainerRecord, peers_key, to_peer_infos, trainers_key
 from swarm.rpc import RemoteError
-from swarm.server.peer import start_dht
+from swarm.dht import start_dht
 
 __all__ = ["Trainer", "TrainerMetrics", "load_trainer_corpus"]
 

@@ -20,6 +20,7 @@ from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
 from swarm.config import PeerConfig
+from swarm.dht import start_dht
 from swarm.dht_io import fetch_records, store_record
 from swarm.policy.rebalance import choose_stage_for_new_peer, decide_move, next_period_s, settle_join_choice
 from swarm.records import PeerRecord, peers_key, to_peer_infos
@@ -29,19 +30,11 @@ from swarm.server.batching import ForwardBatcher
 from swarm.server.checkpoints import checkpoint_path, load_checkpoint, save_checkpoint
 from swarm.server.runner import StageRunner
 
-__all__ = ["StagePeer", "start_dht"]
+__all__ = ["StagePeer"]
 
 logger = get_logger(__name__)
 CONTRIBUTOR_HISTORY = 64  # completed steps whose group members a peer keeps announcing
 FAST_ANNOUNCE_S = 0.05  # announce period (seconds) while a stage nears its global batch
-
-
-def start_dht(network, client_mode: bool = False) -> DHT:
-    return DHT(
-        initial_peers=network.initial_peers, host_maddrs=network.host_maddrs,
-        announce_maddrs=network.announce_maddrs or None, identity_path=network.identity_path,
-        client_mode=client_mode, start=True, startup_timeout=network.startup_timeout_s,
-    )
 
 
 class StagePeer:
