@@ -1,34 +1,69 @@
-"""Typed DHT records: what peers and trainers announce about themselves, validated on read.
+"""Typed DHT records: what peers and trainers announce about themselves, and who may write them.
 
-All peers of a run announce under one DHT key (a subkey each), so a trainer or a peer gets a
-whole snapshot of the swarm with a single lookup. Records expire on their own: a peer that
-dies disappears from the snapshot after ``expiration`` seconds without anyone removing it.
-Unknown fields are ignored (newer peers may add some); malformed or foreign records are
-dropped with a log line, never trusted.
+Layout: one DHT key per stage (``stage_key``), one for trainers (``trainers_key``) and one for the
+run's manifest (``manifest_key``). Every record is stored under the subkey of its owner,
+``[owner:<RSA public key>]``, and signed with that key (hivemind's ``RSASignatureValidator``); the
+owner's key is also its libp2p identity, so a record whose ``peer_id``/``trainer_id`` is not the
+peer id of the key that signed it is a forgery (``check_record``). ``run_schema_validator`` makes
+every run key a dictionary of owner subkeys holding bounded values, so nodes that run it (every
+role does) refuse plain values, foreign subkeys and oversized records, both when asked to store
+them and when a lookup returns them.
+
+Records expire on their own: a peer that dies disappears from the snapshot after ``expiration``
+seconds without anyone removing it. Every field is bounded, so a record's size is bounded by
+construction, whatever the number of replicas.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Literal, Optional, Tuple
+import typing
+from dataclasses import dataclass
+from typing import Any, Dict, Generic, List, Literal, Optional, Tuple, Type, TypeVar
 
+import annotated_types
+import pydantic.v1 as pydantic_v1
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_logger
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 
+from swarm.identity import peer_id_of
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
     "PeerRecord",
     "TrainerRecord",
-    "peers_key",
+    "RecordVerdict",
+    "stage_key",
     "trainers_key",
+    "manifest_key",
     "validate_run_id",
+    "owner_public_key",
+    "check_record",
+    "parse_entries",
     "parse_records",
+    "record_id_of",
+    "update_contributed",
+    "run_schema",
+    "run_schema_validator",
     "to_peer_infos",
+    "CONTRIBUTION_WINDOW",
+    "MAX_STAGES",
+    "MAX_MANIFEST_PAYLOAD_BYTES",
 ]
 
 logger = get_logger(__name__)
 _RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_OWNER_SUBKEY = re.compile(rb"\[owner:([^\]]+)\]")  # exactly hivemind's RSASignatureValidator.local_public_key
+
+MAX_STAGES = 4096
+MAX_COUNT = 2**53  # samples and steps: far above any run, small enough for every JSON reader
+MAX_ID_LENGTH = 64  # base58 libp2p peer ids are 46 (RSA) to 52 characters
+CONTRIBUTION_WINDOW = 64  # steps covered by PeerRecord.contributed_bits
+MAX_MANIFEST_PAYLOAD_BYTES = 16384
+MAX_KEY_MATERIAL_BYTES = 2048  # an OpenSSH RSA-4096 public key or base64 signature fits
+R = TypeVar("R", bound=BaseModel)
 
 
 def validate_run_id(run_id: str) -> str:
@@ -38,76 +73,236 @@ def validate_run_id(run_id: str) -> str:
     return run_id
 
 
-def peers_key(run_id: str) -> str:
-    return f"{run_id}_peers"
+def stage_key(run_id: str, stage: int) -> str:
+    return f"{run_id}_stage{stage}"
 
 
 def trainers_key(run_id: str) -> str:
     return f"{run_id}_trainers"
 
 
+def manifest_key(run_id: str) -> str:
+    return f"{run_id}_manifest"
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, le=65535)
 
 
 class PeerRecord(_Record):
     """What a stage peer announces, re-stored every announce period with an expiration."""
 
-    peer_id: str = Field(min_length=1, max_length=128)
-    stage: int = Field(ge=0, le=4096)
+    peer_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    stage: int = Field(ge=0, lt=MAX_STAGES)
     state: Literal["joining", "online", "leaving"]
-    throughput: float = Field(ge=0.0, allow_inf_nan=False)  # samples/s, EMA of real work
-    queue_length: int = Field(ge=0)
-    step: int = Field(ge=0)  # global steps applied to this replica's parameters
-    accum_step: int = Field(ge=0)  # the step that backward passes accumulate into now
-    samples_pending: int = Field(ge=0)  # samples accumulated for accum_step
-    samples_frozen: int = Field(default=0, ge=0)  # samples of the previous step, being averaged now
-    samples_admitted: int = Field(default=0, ge=0)  # samples of backward passes under way (not yet pending)
-    samples_applied: int = Field(ge=0)  # samples inside all global steps applied so far
+    throughput: float = Field(ge=0.0, le=1e12, allow_inf_nan=False)  # samples/s, EMA of real work
+    queue_length: int = Field(ge=0, le=MAX_COUNT)
+    step: int = Field(ge=0, le=MAX_COUNT)  # global steps applied to this replica's parameters
+    accum_step: int = Field(ge=0, le=MAX_COUNT)  # the step that backward passes accumulate into now
+    samples_pending: int = Field(ge=0, le=MAX_COUNT)  # samples accumulated for accum_step
+    samples_frozen: int = Field(default=0, ge=0, le=MAX_COUNT)  # samples of the previous step, being averaged now
+    samples_admitted: int = Field(default=0, ge=0, le=MAX_COUNT)  # samples of backward passes under way
+    samples_applied: int = Field(ge=0, le=MAX_COUNT)  # samples inside all global steps applied so far
     digest: str = Field(default="", max_length=64)  # hash of the parameters at `step`
-    samples_processed: int = Field(default=0, ge=0)  # samples this replica ran backward for
-    # recent completed steps: step -> peer ids whose gradients that step averaged
-    contributors: Dict[int, List[str]] = Field(default_factory=dict)
+    samples_processed: int = Field(default=0, ge=0, le=MAX_COUNT)  # samples this replica ran backward for
+    # bit i of contributed_bits: this replica's own gradients were in applied step contributed_base - i
+    contributed_base: int = Field(default=0, ge=0, le=MAX_COUNT)
+    contributed_bits: int = Field(default=0, ge=0, lt=2**CONTRIBUTION_WINDOW)
+    run_hash: str = Field(default="", max_length=16)  # hash of the run settings: tells runs apart
+
+    def contributed_to(self, step: int) -> Optional[bool]:
+        """Whether this replica's gradients were included in global step ``step`` (0-based, as
+        ``accum_step`` counts): None when that is unknown (the step is not applied yet, or it is
+        older than the window of ``CONTRIBUTION_WINDOW`` steps kept in the record)."""
+        if step < 0 or step >= self.step:
+            return None
+        offset = self.contributed_base - step
+        if not 0 <= offset < CONTRIBUTION_WINDOW:
+            return None
+        return bool(self.contributed_bits >> offset & 1)
 
 
 class TrainerRecord(_Record):
     """Per-trainer metrics, published so that anyone can watch a run from the DHT."""
 
-    trainer_id: str = Field(min_length=1, max_length=128)
-    samples_sent: int = Field(ge=0)
-    loss: Optional[float] = Field(default=None, allow_inf_nan=False)
-    samples_per_s: float = Field(ge=0.0, allow_inf_nan=False)
-    tokens_per_s: float = Field(ge=0.0, allow_inf_nan=False)
+    trainer_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)
+    samples_sent: int = Field(ge=0, le=MAX_COUNT)
+    loss: Optional[float] = Field(default=None, ge=-1e9, le=1e9, allow_inf_nan=False)
+    samples_per_s: float = Field(ge=0.0, le=1e12, allow_inf_nan=False)
+    tokens_per_s: float = Field(ge=0.0, le=1e15, allow_inf_nan=False)
 
 
-def parse_records(raw: object, model: type, *, key: str) -> Dict[str, BaseModel]:
-    """Turn the value of a subkeyed DHT entry into validated records keyed by subkey.
+def update_contributed(base: int, bits: int, step: int, included: bool) -> Tuple[int, int]:
+    """The ``(contributed_base, contributed_bits)`` of a replica after it applies global step ``step``.
 
-    Anything malformed is skipped with a warning; a record of a newer protocol version is kept
-    (its unknown fields ignored), an older one is kept too as long as it validates.
-    """
-    value = getattr(raw, "value", None)
+    Steps only increase; a jump of ``CONTRIBUTION_WINDOW`` or more forgets the whole window (those
+    steps were applied elsewhere, e.g. downloaded with the state)."""
+    if step < base or step < 0:
+        raise ValueError(f"steps only increase: step {step} applied after step {base}")
+    if not 0 <= bits < 2**CONTRIBUTION_WINDOW:
+        raise ValueError(f"contributed bits must fit in {CONTRIBUTION_WINDOW} bits, got {bits}")
+    shift = step - base
+    bits = 0 if shift >= CONTRIBUTION_WINDOW else (bits << shift) & (2**CONTRIBUTION_WINDOW - 1)
+    return step, (bits | 1) if included else (bits & ~1)
+
+
+# ---- who wrote a record ----
+
+
+@dataclass(frozen=True)
+class RecordVerdict(Generic[R]):
+    """The outcome of checking one stored value: the record, or why it was refused."""
+
+    record: Optional[R]
+    reason: str = ""
+
+
+def owner_public_key(subkey: object) -> bytes:
+    """The public key inside an ``[owner:<key>]`` subkey; ``ValueError`` for any other subkey."""
+    match = _OWNER_SUBKEY.fullmatch(subkey) if isinstance(subkey, bytes) else None
+    if match is None:
+        raise ValueError(f"subkey {_preview(subkey)} is not an [owner:<public key>] subkey")
+    return match.group(1)
+
+
+def check_record(subkey: object, payload: object, model: Type[R]) -> RecordVerdict[R]:
+    """Accept ``payload`` only if it is a valid ``model`` written by the owner of ``subkey``.
+
+    The signature itself is checked by the DHT's ``RSASignatureValidator`` before a value reaches
+    the caller; this check binds the record's id (``peer_id`` or ``trainer_id``) to the signer."""
+    try:
+        owner = peer_id_of(owner_public_key(subkey))
+    except ValueError as e:
+        return RecordVerdict(None, str(e))
+    try:
+        record = model.model_validate(payload)
+    except ValidationError as e:
+        reasons = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:3])
+        return RecordVerdict(None, f"malformed record from {owner}: {reasons}")
+    claimed = record_id_of(record)
+    if claimed != owner:
+        return RecordVerdict(None, f"record claims to be {claimed!r} but is signed by {owner}")
+    return RecordVerdict(record)
+
+
+def parse_entries(value: object, model: Type[R]) -> Tuple[Dict[str, Tuple[R, float]], List[str]]:
+    """The valid records in the value of a subkeyed DHT entry, keyed by their id, each with its
+    expiration time, and the reasons for every value refused. A withdrawn record (``None``) is neither."""
     if value is None:
-        return {}
+        return {}, []
     if not isinstance(value, dict):
-        logger.warning(f"ignoring DHT entry {key!r}: expected a dictionary of subkeys, got {type(value).__name__}")
-        return {}
-    records = {}
+        return {}, [f"expected a dictionary of owner subkeys, got {type(value).__name__}"]
+    entries: Dict[str, Tuple[R, float]] = {}
+    refused = []
     for subkey, item in value.items():
         payload = getattr(item, "value", None)
-        try:
-            record = model.model_validate(payload)
-        except ValidationError as e:
-            reason = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()[:3])
-            logger.warning(f"ignoring malformed record under {key!r} (subkey {subkey!r}): {reason}")
+        if payload is None:
             continue
-        owner = getattr(record, "peer_id", None) or getattr(record, "trainer_id", None)
-        if isinstance(subkey, str) and owner != subkey:
-            logger.warning(f"ignoring record under {key!r}: subkey {subkey!r} does not match its id {owner!r}")
+        verdict = check_record(subkey, payload, model)
+        if verdict.record is None:
+            refused.append(verdict.reason)
             continue
-        records[owner] = record
-    return records
+        record_id, expiration = record_id_of(verdict.record), float(getattr(item, "expiration_time", 0.0))
+        if record_id not in entries or expiration > entries[record_id][1]:  # one key may come in two spellings
+            entries[record_id] = (verdict.record, expiration)
+    return entries, refused
+
+
+def parse_records(value: object, model: Type[R]) -> Tuple[Dict[str, R], List[str]]:
+    """Like ``parse_entries``, without the expiration times."""
+    entries, refused = parse_entries(value, model)
+    return {record_id: record for record_id, (record, _) in entries.items()}, refused
+
+
+def record_id_of(record: BaseModel) -> Optional[str]:
+    """Who a record speaks for: ``peer_id`` or ``trainer_id``."""
+    return getattr(record, "peer_id", None) or getattr(record, "trainer_id", None)
+
+
+def _preview(value: object, limit: int = 48) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---- the schema that every node of a run enforces ----
+
+
+class _WireSchema(pydantic_v1.BaseModel):
+    class Config:
+        # set explicitly: hivemind's SchemaValidator assigns ``Config.extra`` of the schema it is given
+        extra = pydantic_v1.Extra.forbid
+
+
+class _ManifestWire(_WireSchema):
+    payload: pydantic_v1.conbytes(strict=True, max_length=MAX_MANIFEST_PAYLOAD_BYTES)
+    signature: pydantic_v1.conbytes(strict=True, max_length=MAX_KEY_MATERIAL_BYTES)
+    public_key: pydantic_v1.conbytes(strict=True, max_length=MAX_KEY_MATERIAL_BYTES)
+
+
+def _bounds(info: FieldInfo) -> Dict[str, Any]:
+    names = {annotated_types.Ge: "ge", annotated_types.Gt: "gt", annotated_types.Le: "le", annotated_types.Lt: "lt",
+             annotated_types.MinLen: "min_length", annotated_types.MaxLen: "max_length", AllowInfNan: "allow_inf_nan"}
+    bounds = {}
+    for item in info.metadata:
+        name = names.get(type(item))
+        if name is None:
+            raise TypeError(f"no wire form for the constraint {item!r}")
+        bounds[name] = getattr(item, name)
+    return bounds
+
+
+def _wire_type(name: str, annotation: Any, bounds: Dict[str, Any]) -> Any:
+    """The strict pydantic.v1 type of one record field (hivemind's SchemaValidator needs pydantic.v1
+    and strict types). Refuses an unbounded field, so that every record's size stays bounded."""
+    if typing.get_origin(annotation) is typing.Union:
+        inner = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"field {name}: only Optional[X] unions have a wire form")
+        return Optional[_wire_type(name, inner[0], bounds)]
+    if typing.get_origin(annotation) is Literal:
+        return annotation
+    if annotation is int and ({"ge", "gt"} & bounds.keys()) and ({"le", "lt"} & bounds.keys()):
+        return pydantic_v1.conint(strict=True, **bounds)
+    if annotation is float and bounds.get("allow_inf_nan") is False and ({"ge", "gt"} & bounds.keys()) and (
+            {"le", "lt"} & bounds.keys()):
+        return pydantic_v1.confloat(strict=True, **bounds)
+    if annotation is str and "max_length" in bounds:
+        return pydantic_v1.constr(strict=True, **bounds)
+    raise TypeError(f"field {name}: {annotation} with bounds {bounds} is unbounded or has no wire form")
+
+
+def _wire_model(model: Type[BaseModel]) -> Type[pydantic_v1.BaseModel]:
+    """The record as stored: every field present (``model_dump`` writes them all), strictly typed."""
+    fields = {name: (_wire_type(name, info.annotation, _bounds(info)), ...)
+              for name, info in model.model_fields.items()}
+    return pydantic_v1.create_model(f"{model.__name__}Wire", __base__=_WireSchema, **fields)
+
+
+_PEER_WIRE = _wire_model(PeerRecord)
+_TRAINER_WIRE = _wire_model(TrainerRecord)
+
+
+def run_schema(num_stages: int) -> Type[pydantic_v1.BaseModel]:
+    """The DHT schema of a run, its fields named as the keys without the ``run_id + '_'`` prefix
+    (``stage_key``, ``trainers_key``, ``manifest_key``):
+    ``stage0``..``stage{num_stages-1}``, ``trainers``, ``manifest``; each a dictionary from owner
+    subkeys to a record (or None, a withdrawn record)."""
+    if not isinstance(num_stages, int) or not 1 <= num_stages <= MAX_STAGES:
+        raise ValueError(f"num_stages must be an integer in 1..{MAX_STAGES}, got {num_stages!r}")
+    fields: Dict[str, Any] = {
+        f"stage{stage}": (Dict[BytesWithPublicKey, Optional[_PEER_WIRE]], None) for stage in range(num_stages)}
+    fields["trainers"] = (Dict[BytesWithPublicKey, Optional[_TRAINER_WIRE]], None)
+    fields["manifest"] = (Dict[BytesWithPublicKey, Optional[_ManifestWire]], None)
+    return pydantic_v1.create_model(f"RunSchema{num_stages}", __base__=_WireSchema, **fields)
+
+
+def run_schema_validator(run_id: str, num_stages: int) -> SchemaValidator:
+    """A validator that holds the run's keys to ``run_schema``; other keys (averaging) stay free."""
+    return SchemaValidator(run_schema(num_stages), allow_extra_keys=True, prefix=validate_run_id(run_id))
+
+
+# ---- snapshots for the policies ----
 
 
 def to_peer_infos(records: Dict[str, PeerRecord], num_stages: int) -> Tuple[PeerInfo, ...]:
@@ -119,4 +314,3 @@ def to_peer_infos(records: Dict[str, PeerRecord], num_stages: int) -> Tuple[Peer
             continue
         infos.append(PeerInfo(record.peer_id, record.stage, record.state, record.throughput, record.queue_length))
     return tuple(sorted(infos, key=lambda info: (info.stage, info.peer_id)))
-
