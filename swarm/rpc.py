@@ -4,20 +4,38 @@ Messages are msgpack bytes (see :mod:`swarm.wire`) inside hivemind's ``ExpertReq
 protobuf. Small messages go as one unary call; anything above ``STREAM_THRESHOLD_BYTES``
 goes as a stream of chunks, because p2pd caps unary messages at 4 MiB. Errors travel as a
 reply ``{"error": ..., "kind": ...}`` so the caller gets the server's reason, not a hang.
+Payloads above ``OFF_LOOP_BYTES`` are encoded and decoded on a small thread pool, so one
+large message does not stall every other request of the process.
+
+Kinds of :class:`RemoteError` (what the caller should do about it):
+
+- ``bad_request``: the server refused this request as malformed; another replica will too.
+- ``unavailable``: the server is joining or leaving; try another replica.
+- ``internal``: the server failed unexpectedly (a bug there); try another replica.
+- ``wrong_stage``: the server serves another stage; the caller's view of the swarm is stale.
+- ``use_stream``: the reply is too large for a unary call; repeat the call as a stream.
+- ``busy``: the caller has too many requests or bytes in flight at this server; try another
+  replica now and this one again soon (it is not misbehaving).
+- ``unauthorized``: the server does not serve this caller.
+- ``bad_reply``: raised on the caller's side only: the *server* sent an oversized or
+  undecodable reply, so it misbehaved and may be banned.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
-from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode, encode
+from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode_parts, encode, payload_size_hint
 
-__all__ = ["RemoteError", "RPCServicer", "call_peer", "STREAM_THRESHOLD_BYTES", "NAMESPACE"]
+__all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE"]
 
 logger = get_logger(__name__)
 NAMESPACE = "swarm"
@@ -25,12 +43,19 @@ STREAM_THRESHOLD_BYTES = 2 * 2**20  # unary below this, chunked stream above (p2
 CHUNK_BYTES = 2 * 2**20
 UNARY_REPLY_LIMIT_BYTES = 3 * 2**20 + 2**19
 DRAIN_LIMIT_FACTOR = 4  # an oversized request is read (and dropped) up to this many times the limit
+OFF_LOOP_BYTES = 256 * 2**10  # payloads above this are (de)serialized on the codec threads
+CODEC_THREADS = 2
+MAX_ERROR_CHARS = 1000  # an error reply echoes at most this much of its reason
+MAX_REPORTED_CALLERS = 1024  # unauthorized callers remembered so that each is logged once
+KINDS = ("bad_request", "unavailable", "internal", "wrong_stage", "use_stream", "busy", "unauthorized", "bad_reply")
+# what a handler raises for input it refuses; anything else escaping a handler is a bug of the server
+BAD_INPUT_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError)  # WireError is a ValueError
 
 Handler = Callable[[Dict[str, Any], str], Awaitable[Mapping[str, Any]]]
 
 
 class RemoteError(RuntimeError):
-    """The remote peer answered with an error. ``kind`` is 'bad_request', 'unavailable' or 'internal'."""
+    """The remote peer answered with an error, or (``bad_reply``) with garbage; ``kind`` is one of :data:`KINDS`."""
 
     def __init__(self, message: str, kind: str = "internal"):
         super().__init__(message)
@@ -41,33 +66,165 @@ def _chunks(payload: bytes) -> List[bytes]:
     return [payload[i : i + CHUNK_BYTES] for i in range(0, len(payload), CHUNK_BYTES)] or [b""]
 
 
+def _error(message: str, kind: str) -> bytes:
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + "..."
+    return encode({"error": message, "kind": kind})
+
+
+_codec_pool: Optional[ThreadPoolExecutor] = None
+_codec_pool_lock = threading.Lock()
+
+
+def _codec_executor() -> ThreadPoolExecutor:
+    """Threads shared by every servicer and caller of this process, created on first use."""
+    global _codec_pool
+    with _codec_pool_lock:
+        if _codec_pool is None:
+            _codec_pool = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix="swarm-codec")
+        return _codec_pool
+
+
+async def _decode(parts: Sequence[bytes], max_bytes: int) -> Dict[str, Any]:
+    if sum(len(part) for part in parts) <= OFF_LOOP_BYTES:
+        return decode_parts(parts, max_bytes)
+    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), decode_parts, parts, max_bytes)
+
+
+async def _encode(message: Mapping[str, Any]) -> bytes:
+    if payload_size_hint(message) <= OFF_LOOP_BYTES:
+        return encode(message)
+    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), encode, message)
+
+
+class CallerBudget:
+    """Requests and request bytes in flight per caller, against fixed limits.
+
+    Plain bookkeeping with no I/O, used from one event loop. An entry disappears when its
+    caller has nothing in flight, so memory is bounded by the requests being served.
+    """
+
+    def __init__(self, max_requests: int, max_bytes: int):
+        self.max_requests, self.max_bytes = max_requests, max_bytes
+        self._in_flight: Dict[str, Tuple[int, int]] = {}  # caller -> (requests, bytes)
+
+    def admit(self, caller: str, num_bytes: int = 0) -> bool:
+        """Count one more request of ``caller`` holding ``num_bytes``; False (and nothing counted) if over a limit."""
+        requests, held = self._in_flight.get(caller, (0, 0))
+        if requests + 1 > self.max_requests or held + num_bytes > self.max_bytes:
+            return False
+        self._in_flight[caller] = (requests + 1, held + num_bytes)
+        return True
+
+    def grow(self, caller: str, num_bytes: int) -> bool:
+        """Add ``num_bytes`` to an admitted request (a stream chunk); False (and nothing added) if over the limit."""
+        requests, held = self._in_flight[caller]
+        if held + num_bytes > self.max_bytes:
+            return False
+        self._in_flight[caller] = (requests, held + num_bytes)
+        return True
+
+    def release(self, caller: str, num_bytes: int) -> None:
+        """End one admitted request of ``caller`` that held ``num_bytes`` in all."""
+        requests, held = self._in_flight[caller]
+        if requests <= 1:
+            del self._in_flight[caller]
+        else:
+            self._in_flight[caller] = (requests - 1, held - num_bytes)
+
+    def in_flight(self, caller: str) -> Tuple[int, int]:
+        return self._in_flight.get(caller, (0, 0))
+
+    def __len__(self) -> int:
+        return len(self._in_flight)
+
+
 class RPCServicer(ServicerBase):
     """Routes every incoming call to ``handlers[method](message, caller_peer_id)``.
 
-    Runs in the event loop of the process that owns the P2P instance. Handlers must never
-    raise for bad input on purpose: a ``ValueError`` (including :class:`WireError`) becomes a
-    'bad_request' reply, :class:`RemoteError` keeps its kind, anything else is logged and
-    becomes 'internal'. The server keeps serving everyone else in all cases.
+    Runs in the event loop of the process that owns the P2P instance. Before a handler runs,
+    a caller that ``authorize`` rejects gets 'unauthorized' and one over its budget
+    (``max_requests_per_caller`` requests or ``max_bytes_per_caller`` bytes in flight) gets
+    'busy'. Handlers raise one of :data:`BAD_INPUT_ERRORS` (:class:`WireError` included) for
+    input they refuse: it becomes 'bad_request' with no traceback logged. :class:`RemoteError`
+    keeps its kind; anything else is a bug, logged with its traceback, and becomes 'internal'.
+    The server keeps serving everyone else in all cases.
     """
 
-    def __init__(self, handlers: Mapping[str, Handler], max_message_bytes: int = MAX_MESSAGE_BYTES):
+    def __init__(self, handlers: Mapping[str, Handler], max_message_bytes: int = MAX_MESSAGE_BYTES, *,
+                 max_requests_per_caller: int = 64, max_bytes_per_caller: Optional[int] = None,
+                 authorize: Optional[Callable[[str], bool]] = None):
+        max_bytes_per_caller = 4 * max_message_bytes if max_bytes_per_caller is None else max_bytes_per_caller
+        if max_message_bytes < 1 or max_requests_per_caller < 1:
+            raise ValueError("max_message_bytes and max_requests_per_caller must be at least 1")
+        if max_bytes_per_caller < max_message_bytes:
+            raise ValueError(f"max_bytes_per_caller ({max_bytes_per_caller}) must be at least max_message_bytes "
+                             f"({max_message_bytes}), or no caller could send a message of the largest size")
         self.handlers = dict(handlers)
         self.max_message_bytes = max_message_bytes
+        self.budget = CallerBudget(max_requests_per_caller, max_bytes_per_caller)
+        self.authorize = authorize
+        self._reported: "OrderedDict[str, None]" = OrderedDict()  # unauthorized callers already logged
+
+    # ---- admission ----
+
+    def _refusal(self, caller: str) -> Optional[bytes]:
+        """An 'unauthorized' reply for a caller that ``authorize`` rejects, logged once per caller; else None."""
+        if self.authorize is None or self.authorize(caller):
+            return None
+        if caller not in self._reported:
+            logger.warning(f"refusing calls from unauthorized peer {caller}")
+            self._reported[caller] = None
+            while len(self._reported) > MAX_REPORTED_CALLERS:
+                self._reported.popitem(last=False)
+        return _error("this peer does not serve you", "unauthorized")
+
+    def _busy(self, caller: str) -> bytes:
+        requests, held = self.budget.in_flight(caller)
+        logger.debug(f"caller {caller} is over its budget ({requests} requests, {held} bytes in flight)")
+        return _error(f"too many requests in flight from you ({requests} requests, {held} bytes; limits "
+                      f"{self.budget.max_requests} requests, {self.budget.max_bytes} bytes): try another peer", "busy")
+
+    # ---- serving ----
 
     async def _dispatch(self, method: str, payload: bytes, caller: PeerID) -> bytes:
+        """Answer one whole request (a unary call): admission, then :meth:`_handle`."""
+        caller_id = str(caller)
+        try:
+            refusal = self._refusal(caller_id)
+        except Exception as e:
+            logger.exception(f"authorize({caller_id}) failed")
+            return _error(f"authorization failed on the server: {type(e).__name__}", "internal")
+        if refusal is not None:
+            return refusal
+        if not self.budget.admit(caller_id, len(payload)):
+            return self._busy(caller_id)
+        try:
+            return await self._handle(method, [payload], caller_id)
+        finally:
+            self.budget.release(caller_id, len(payload))
+
+    async def _handle(self, method: str, parts: Sequence[bytes], caller: str) -> bytes:
+        """Decode, run the handler, encode: every failure becomes an error reply of the right kind."""
         handler = self.handlers.get(method)
         try:
             if handler is None:
-                raise RemoteError(f"unknown method {method!r}; this peer serves {sorted(self.handlers)}", "bad_request")
-            reply = await handler(decode(payload, self.max_message_bytes), str(caller))
-            return encode(reply)
+                raise RemoteError(f"unknown method {method[:64]!r}; this peer serves {sorted(self.handlers)}",
+                                  "bad_request")
+            reply = await handler(await _decode(parts, self.max_message_bytes), caller)
         except RemoteError as e:
-            return encode({"error": str(e), "kind": e.kind})
-        except (ValueError, TypeError, KeyError) as e:
-            return encode({"error": f"bad request to {method}: {e}", "kind": "bad_request"})
+            return _error(str(e), e.kind)
+        except BAD_INPUT_ERRORS as e:
+            logger.debug(f"bad request to {method[:64]!r} from {caller}: {type(e).__name__}: {e}")
+            return _error(f"bad request to {method[:64]}: {e}", "bad_request")
         except Exception as e:
-            logger.exception(f"{method} from {caller} failed")
-            return encode({"error": f"{method} failed on the server: {type(e).__name__}: {e}", "kind": "internal"})
+            logger.exception(f"{method[:64]} from {caller} failed")
+            return _error(f"{method[:64]} failed on the server: {type(e).__name__}: {e}", "internal")
+        try:
+            return await _encode(reply)
+        except Exception as e:
+            logger.exception(f"the reply of {method[:64]} to {caller} cannot be encoded")
+            return _error(f"{method[:64]} failed on the server: unencodable reply ({type(e).__name__})", "internal")
 
     async def rpc_unary(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         reply = await self._dispatch(request.uid, request.metadata, context.remote_id)
@@ -78,59 +235,103 @@ class RPCServicer(ServicerBase):
     async def rpc_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        method, parts, size = None, [], 0
-        async for request in requests:
-            method = method or request.uid
-            size += len(request.metadata)
-            if size <= self.max_message_bytes:
-                parts.append(request.metadata)
-            elif size > DRAIN_LIMIT_FACTOR * self.max_message_bytes:
-                break  # stop reading: the caller's stream is reset, which is all an abuser deserves
-            # else: keep reading (and discarding) so that the caller gets our answer, not a reset stream
-        if size > self.max_message_bytes:
-            reply = encode({"error": f"message of {size}+ bytes exceeds this peer's limit of {self.max_message_bytes} bytes",
-                            "kind": "bad_request"})
-        else:
-            reply = await self._dispatch(method or "", b"".join(parts), context.remote_id)
+        reply = await self._serve_stream(requests, str(context.remote_id))
         for chunk in _chunks(reply):
             yield runtime_pb2.ExpertResponse(metadata=chunk)
 
+    async def _serve_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], caller: str) -> bytes:
+        """Read a chunked request within the caller's budget and answer it with one reply."""
+        try:
+            refusal = self._refusal(caller)
+        except Exception as e:
+            logger.exception(f"authorize({caller}) failed")
+            return _error(f"authorization failed on the server: {type(e).__name__}", "internal")
+        if refusal is not None:
+            return refusal
+        if not self.budget.admit(caller):
+            return self._busy(caller)
+        held = 0
+        try:
+            method, parts, size = None, [], 0
+            async for request in requests:
+                method = method or request.uid
+                size += len(request.metadata)
+                if size <= self.max_message_bytes:
+                    if not self.budget.grow(caller, len(request.metadata)):
+                        return self._busy(caller)  # stop reading: the caller may see a reset stream instead
+                    held += len(request.metadata)
+                    parts.append(request.metadata)
+                elif size > DRAIN_LIMIT_FACTOR * self.max_message_bytes:
+                    break  # stop reading: the caller's stream is reset, which is all an abuser deserves
+                # else: keep reading (and discarding) so that the caller gets our answer, not a reset stream
+            if size > self.max_message_bytes:
+                return _error(f"message of {size}+ bytes exceeds this peer's limit of {self.max_message_bytes} bytes",
+                              "bad_request")
+            return await self._handle(method or "", parts, caller)
+        finally:
+            self.budget.release(caller, held)
 
-async def _call_stream(stub, method: str, payload: bytes) -> bytes:
+
+# ---- calling ----
+
+async def _call_stream(stub, method: str, payload: bytes, max_reply_bytes: int) -> List[bytes]:
+    """Send ``payload`` as a stream; return the reply's chunks, refusing (as 'bad_reply') more than ``max_reply_bytes``."""
     async def requests():
         for chunk in _chunks(payload):
             yield runtime_pb2.ExpertRequest(uid=method, metadata=chunk)
 
-    parts = [response.metadata async for response in await stub.rpc_stream(requests())]
+    responses = await stub.rpc_stream(requests())
+    parts, size = [], 0
+    try:
+        async for response in responses:
+            size += len(response.metadata)
+            if size > max_reply_bytes:
+                raise RemoteError(f"stream reply to {method} exceeds {max_reply_bytes} bytes", "bad_reply")
+            parts.append(response.metadata)
+    finally:
+        await responses.aclose()  # stop reading and close our end of the stream
     if not parts:  # p2pd occasionally ends a stream without data or error
         raise ConnectionError(f"empty stream reply to {method}")
-    return b"".join(parts)
+    return parts
+
+
+async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -> List[bytes]:
+    response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=method, metadata=payload))
+    if len(response.metadata) > max_reply_bytes:
+        raise RemoteError(f"unary reply to {method} of {len(response.metadata)} bytes exceeds {max_reply_bytes} bytes",
+                          "bad_reply")
+    return [response.metadata]
 
 
 async def call_peer(
-    p2p: P2P, peer_id: PeerID, method: str, message: Mapping[str, Any], *, timeout: float, stream: bool = False
+    p2p: P2P, peer_id: PeerID, method: str, message: Mapping[str, Any], *, timeout: float, stream: bool = False,
+    max_reply_bytes: int = MAX_MESSAGE_BYTES,
 ) -> Dict[str, Any]:
     """Call ``method`` on ``peer_id`` and return its decoded reply, within ``timeout`` seconds.
 
-    Raises :class:`RemoteError` if the peer answered with an error, ``asyncio.TimeoutError``
-    on timeout, and connection errors as they come from p2pd.
+    Raises :class:`RemoteError` if the peer answered with an error (with the peer's kind) or
+    with an oversized or undecodable reply (kind 'bad_reply'), ``asyncio.TimeoutError`` on
+    timeout, and connection errors as they come from p2pd.
     """
     stub = RPCServicer.get_stub(p2p, peer_id, namespace=NAMESPACE)
-    payload = encode(message)
+
+    async def _reply(parts: List[bytes]) -> Dict[str, Any]:
+        try:
+            return await _decode(parts, max_reply_bytes)
+        except WireError as e:
+            raise RemoteError(f"peer {peer_id} sent an undecodable reply to {method}: {e}", "bad_reply") from None
 
     async def _call() -> Dict[str, Any]:
+        payload = await _encode(message)
         if stream or len(payload) > STREAM_THRESHOLD_BYTES:
-            reply = decode(await _call_stream(stub, method, payload))
+            reply = await _reply(await _call_stream(stub, method, payload, max_reply_bytes))
         else:
-            response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=method, metadata=payload))
-            reply = decode(response.metadata)
+            reply = await _reply(await _call_unary(stub, method, payload, max_reply_bytes))
             if reply.get("kind") == "use_stream":
-                reply = decode(await _call_stream(stub, method, payload))
+                reply = await _reply(await _call_stream(stub, method, payload, max_reply_bytes))
         if "error" in reply:
-            raise RemoteError(str(reply["error"]), str(reply.get("kind", "internal")))
+            kind = reply.get("kind")
+            raise RemoteError(str(reply["error"])[:MAX_ERROR_CHARS], kind if kind in KINDS else "internal")
         return reply
 
-    try:
-        return await asyncio.wait_for(_call(), timeout=timeout)
-    except WireError as e:
-        raise RemoteError(f"peer {peer_id} sent an undecodable reply: {e}", "internal") from None
+    return await asyncio.wait_for(_call(), timeout=timeout)

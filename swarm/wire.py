@@ -2,21 +2,26 @@
 
 Everything that crosses the network is decoded here, with limits, before any of it reaches
 torch: a malformed or hostile message becomes a :class:`WireError` with a readable reason,
-never a crash or an oversized allocation.
+never a crash, an integer overflow or an oversized allocation. Sizes are checked with Python
+integers (which cannot overflow) and capped before they are multiplied, so no shape can make
+the byte count wrap around and slip past the length check.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+import reprlib
+from typing import Any, Dict, Mapping, Sequence
 
 import msgpack
-import numpy as np
 import torch
 
-__all__ = ["WireError", "MAX_MESSAGE_BYTES", "encode", "decode", "pack_tensor", "unpack_tensor"]
+__all__ = ["WireError", "MAX_MESSAGE_BYTES", "encode", "decode", "decode_parts", "pack_tensor", "unpack_tensor",
+           "payload_size_hint"]
 
 MAX_MESSAGE_BYTES = 256 * 2**20  # hard cap on one message (bytes); a stage config may lower it
 MAX_TENSOR_DIMS = 8
+MAX_TENSOR_ELEMENTS = MAX_MESSAGE_BYTES  # a tensor with more elements cannot fit in a message (1+ byte each)
+MAX_NESTING = 32  # lists and maps inside each other; our messages nest 2-3 deep
 _DTYPES: Dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -26,7 +31,12 @@ _DTYPES: Dict[str, torch.dtype] = {
     "uint8": torch.uint8,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_ELEMENT_BYTES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
 _TENSOR_TAG = "__tensor__"
+_PLAIN = (type(None), bool, int, float, str, bytes)
+_brief = reprlib.Repr()
+_brief.maxlist = _brief.maxtuple = _brief.maxdict = 10
+_brief.maxstring = _brief.maxother = 60
 
 
 class WireError(ValueError):
@@ -41,25 +51,47 @@ def pack_tensor(tensor: torch.Tensor) -> Dict[str, Any]:
     return {_TENSOR_TAG: True, "dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data": raw.numpy().tobytes()}
 
 
+def _num_elements(shape: Any) -> int:
+    """The element count of a wire shape, refusing anything that is not a short list of sane sizes.
+
+    Every size is capped before the product is taken, and the running product is capped too,
+    so the count stays a small exact integer whatever the sender wrote.
+    """
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_TENSOR_DIMS:
+        raise WireError(f"tensor shape must be a list of at most {MAX_TENSOR_DIMS} sizes, got {_brief.repr(shape)}")
+    count = 1
+    for size in shape:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise WireError(f"tensor shape must hold non-negative integers, got {_brief.repr(shape)}")
+        if size > MAX_TENSOR_ELEMENTS:
+            raise WireError(f"tensor size {size} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements")
+        count *= size
+        if count > MAX_TENSOR_ELEMENTS:
+            raise WireError(f"tensor of shape {_brief.repr(shape)} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements")
+    return count
+
+
 def unpack_tensor(obj: Any) -> torch.Tensor:
-    if not isinstance(obj, Mapping) or not obj.get(_TENSOR_TAG):
+    """A writable tensor from its wire form, after checking dtype, shape and byte count.
+
+    msgpack hands out immutable ``bytes``, so the data is copied once into a buffer the tensor
+    owns: the receiver may then modify it in place (torch refuses to promise that of ``bytes``).
+    """
+    if not isinstance(obj, Mapping) or obj.get(_TENSOR_TAG) is not True:
         raise WireError(f"expected a tensor, got {type(obj).__name__}")
     dtype_name, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
-    if dtype_name not in _DTYPES:
-        raise WireError(f"unsupported tensor dtype {dtype_name!r}; supported: {sorted(_DTYPES)}")
-    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_TENSOR_DIMS:
-        raise WireError(f"tensor shape must be a list of at most {MAX_TENSOR_DIMS} sizes, got {shape!r}")
-    if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape):
-        raise WireError(f"tensor shape must hold non-negative integers, got {shape!r}")
+    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+        raise WireError(f"unsupported tensor dtype {_brief.repr(dtype_name)}; supported: {sorted(_DTYPES)}")
+    count = _num_elements(shape)
     if not isinstance(data, (bytes, bytearray)):
-        raise WireError("tensor data must be bytes")
-    dtype = _DTYPES[dtype_name]
-    expected = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        raise WireError(f"tensor data must be bytes, got {type(data).__name__}")
+    expected = count * _ELEMENT_BYTES[dtype_name]
     if expected != len(data):
         raise WireError(f"tensor of shape {list(shape)} and dtype {dtype_name} needs {expected} bytes, got {len(data)}")
+    dtype = _DTYPES[dtype_name]
     view_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
-    tensor = torch.frombuffer(bytearray(data), dtype=view_dtype) if data else torch.empty(0, dtype=view_dtype)
-    return tensor.view(dtype).reshape(shape) if dtype == torch.bfloat16 else tensor.reshape(shape)
+    flat = torch.frombuffer(bytearray(data), dtype=view_dtype) if data else torch.empty(0, dtype=view_dtype)
+    return flat.view(dtype).reshape(shape) if dtype == torch.bfloat16 else flat.reshape(shape)
 
 
 def _to_wire(obj: Any) -> Any:
@@ -72,13 +104,17 @@ def _to_wire(obj: Any) -> Any:
     return obj
 
 
-def _from_wire(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        if obj.get(_TENSOR_TAG):
+def _from_wire(obj: Any, depth: int = 0) -> Any:
+    if depth > MAX_NESTING:
+        raise WireError(f"message nests deeper than {MAX_NESTING} levels")
+    if isinstance(obj, dict):
+        if _TENSOR_TAG in obj:
             return unpack_tensor(obj)
-        return {key: _from_wire(value) for key, value in obj.items()}
+        return {key: _from_wire(value, depth + 1) for key, value in obj.items()}
     if isinstance(obj, list):
-        return [_from_wire(value) for value in obj]
+        return [_from_wire(value, depth + 1) for value in obj]
+    if not isinstance(obj, _PLAIN):  # msgpack extension types, timestamps
+        raise WireError(f"unsupported value of type {type(obj).__name__}")
     return obj
 
 
@@ -89,12 +125,35 @@ def encode(message: Mapping[str, Any]) -> bytes:
 
 def decode(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Dict[str, Any]:
     """Parse a message, refusing oversized or malformed input with :class:`WireError`."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise WireError(f"a message must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:
         raise WireError(f"message of {len(payload)} bytes exceeds the limit of {max_bytes} bytes")
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_bin_len=max_bytes)
     except Exception as e:  # msgpack raises several unrelated exception types on garbage
-        raise WireError(f"undecodable message ({type(e).__name__}: {e})") from None
+        raise WireError(f"undecodable message ({type(e).__name__}: {_brief.repr(str(e))})") from None
     if not isinstance(message, dict):
         raise WireError(f"a message must be a map, got {type(message).__name__}")
     return _from_wire(message)
+
+
+def decode_parts(parts: Sequence[bytes], max_bytes: int = MAX_MESSAGE_BYTES) -> Dict[str, Any]:
+    """:func:`decode` of a message that arrived in chunks (joined here, so that callers may run it off the event loop)."""
+    size = sum(len(part) for part in parts)
+    if size > max_bytes:
+        raise WireError(f"message of {size} bytes exceeds the limit of {max_bytes} bytes")
+    return decode(parts[0] if len(parts) == 1 else b"".join(parts), max_bytes)
+
+
+def payload_size_hint(obj: Any, _depth: int = 0) -> int:
+    """Bytes of tensor data in a message about to be encoded: decides whether encoding is worth a thread."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if _depth > MAX_NESTING:
+        return 0
+    if isinstance(obj, Mapping):
+        return sum(payload_size_hint(value, _depth + 1) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_size_hint(value, _depth + 1) for value in obj)
+    return len(obj) if isinstance(obj, (bytes, str)) else 0

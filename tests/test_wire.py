@@ -1,0 +1,451 @@
+"""The wire format and the RPC layer against malformed, hostile and oversized input, with no network.
+
+RPCServicer is exercised through its coroutines with fake handlers and a fake caller; call_peer
+through a stand-in for hivemind's P2P that hands requests straight to an in-process servicer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from types import SimpleNamespace
+from typing import Any, Dict, List
+
+import msgpack
+import pytest
+import torch
+
+from swarm.rpc import KINDS, RemoteError, RPCServicer, call_peer
+from swarm.wire import MAX_TENSOR_DIMS, WireError, decode, encode, pack_tensor, unpack_tensor
+from tests.utils.fuzzing import mutate, random_bytes, tensor_lies
+
+
+def lie(shape: Any, dtype: Any = "float32", data: Any = b"\x00" * 4) -> Dict[str, Any]:
+    return {"__tensor__": True, "dtype": dtype, "shape": shape, "data": data}
+
+
+# ---- wire ----
+
+@pytest.mark.parametrize("shape", [
+    [2**40, 2**40], [2**62, 2**62], [2**31, 2**31, 2**2], [2**64], [-1], [2, -2], [True], [1.0], [1.5], ["2"],
+    [None], [[2]], [1] * (MAX_TENSOR_DIMS + 1), "12", 7, None, {"0": 1},
+])
+def test_shapes_that_are_not_sane_are_refused(shape):
+    with pytest.raises(WireError, match="shape|size|exceeds"):
+        unpack_tensor(lie(shape))
+
+
+def test_overflowing_product_does_not_slip_past_the_byte_check():
+    # 2**32 * 2**32 wraps to 0 in int64: with 0 bytes of data the old check would have passed
+    with pytest.raises(WireError, match="exceeds the limit"):
+        unpack_tensor(lie([2**32, 2**32], data=b""))
+    with pytest.raises(WireError, match="exceeds the limit"):
+        unpack_tensor(lie([0, 2**62], data=b""))  # a zero does not excuse an absurd size
+
+
+def test_zero_sized_and_zero_dim_tensors_round_trip():
+    for tensor in (torch.tensor(3.5), torch.tensor(7, dtype=torch.int64), torch.empty(0, 5), torch.empty(2, 0, 3)):
+        out = decode(encode({"x": tensor}))["x"]
+        assert out.shape == tensor.shape and out.dtype == tensor.dtype and torch.equal(out, tensor)
+    scalar = decode(encode({"x": torch.tensor(2.0)}))["x"]
+    assert scalar.ndim == 0 and scalar.item() == 2.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8])
+def test_every_dtype_round_trips_exactly_and_writably(dtype):
+    tensor = (torch.randn(3, 4, 5) * 50).to(dtype)
+    out = decode(encode({"x": tensor, "nested": [{"y": tensor[0]}]}))
+    assert out["x"].dtype == dtype and torch.equal(out["x"], tensor)
+    assert torch.equal(out["nested"][0]["y"], tensor[0])
+    out["x"].add_(1)  # writable, and owned by the receiver: the source is untouched
+    assert not torch.equal(out["x"], tensor)
+
+
+def test_bfloat16_keeps_its_bits():
+    tensor = torch.tensor([1.0, -2.5, 3.140625, float("inf"), 1e-30], dtype=torch.bfloat16)
+    out = decode(encode({"x": tensor}))["x"]
+    assert out.dtype == torch.bfloat16 and torch.equal(out.view(torch.int16), tensor.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "complex64", "", None, 5, ["float32"], "FLOAT32", "bool"])
+def test_unknown_dtype_names_are_refused(dtype):
+    with pytest.raises(WireError, match="dtype"):
+        unpack_tensor(lie([1], dtype=dtype))
+
+
+def test_unsendable_dtype_is_refused_on_encode():
+    with pytest.raises(WireError, match="cannot be sent"):
+        pack_tensor(torch.zeros(2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("data, expected", [
+    (b"\x00" * 3, "needs 4 bytes, got 3"), (b"\x00" * 5, "needs 4 bytes, got 5"), (b"", "needs 4 bytes, got 0"),
+    ("four", "must be bytes"), (None, "must be bytes"), ([0, 0, 0, 0], "must be bytes"),
+])
+def test_wrong_data_length_or_type_is_refused(data, expected):
+    with pytest.raises(WireError, match=expected):
+        unpack_tensor(lie([1], data=data))
+
+
+def test_truncated_payloads_are_refused():
+    payload = encode({"stage": 0, "inputs": torch.randint(0, 256, (2, 16)), "targets": torch.randn(2, 16, 32)})
+    for cut in sorted({1, 2, 7, len(payload) // 3, len(payload) // 2, len(payload) - 1}):
+        with pytest.raises(WireError):
+            decode(payload[:cut])
+    with pytest.raises(WireError, match="undecodable"):
+        decode(payload + b"\x00")  # trailing bytes after a whole message
+
+
+@pytest.mark.parametrize("payload", [
+    msgpack.packb([1, 2, 3]), msgpack.packb("text"), msgpack.packb(7), msgpack.packb(None), msgpack.packb(b"raw"),
+    b"", b"\xc1", msgpack.packb({1: 2}), msgpack.packb({(1, 2): 3}),
+])
+def test_non_map_messages_are_refused(payload):
+    with pytest.raises(WireError, match="map|undecodable"):
+        decode(payload)
+
+
+def test_nested_garbage_is_refused_with_a_reason():
+    deep = b"\x81\xa1x" + b"\x91" * 200 + b"\xc0"
+    with pytest.raises(WireError, match="nests deeper"):
+        decode(deep)
+    with pytest.raises(WireError):
+        decode(b"\x91" * 100_000 + b"\xc0")
+    with pytest.raises(WireError, match="unsupported value"):
+        decode(msgpack.packb({"x": msgpack.ExtType(5, b"boom")}))
+    with pytest.raises(WireError, match="unsupported value"):
+        decode(msgpack.packb({"x": msgpack.Timestamp(1, 0)}))
+    with pytest.raises(WireError, match="expected a tensor"):
+        decode(msgpack.packb({"x": {"__tensor__": "yes", "dtype": "float32", "shape": [], "data": b"\0" * 4}}))
+    with pytest.raises(WireError, match="exceeds the limit"):
+        decode(msgpack.packb({"a": [{"b": lie([2**40, 2**40])}]}))
+    with pytest.raises(WireError, match="must be bytes"):
+        decode("a string, not bytes")
+
+
+def test_error_reasons_stay_short_for_huge_garbage():
+    with pytest.raises(WireError) as error:
+        unpack_tensor(lie(list(range(100_000))))
+    assert len(str(error.value)) < 300
+
+
+def test_oversized_message_is_refused_before_parsing():
+    with pytest.raises(WireError, match="exceeds the limit of 100 bytes"):
+        decode(encode({"x": b"\x00" * 200}), max_bytes=100)
+
+
+def test_thousands_of_random_and_mutated_payloads_decode_or_raise_wire_error():
+    rng = random.Random(1234)
+    valid = [encode({"stage": 0, "inputs": torch.randint(0, 256, (2, 16))}),
+             encode({"stage": 1, "micro_batch_id": "m", "inputs": torch.randn(2, 4, 8), "targets": torch.zeros(2, 4)}),
+             encode({"nested": [{"t": torch.tensor(1.0)}, [1, 2.5, None, "s", b"b"]]})]
+    outcomes = {"decoded": 0, "refused": 0}
+    for i in range(4000):
+        payload = random_bytes(rng, 300) if i % 2 else mutate(rng, rng.choice(valid))
+        try:
+            assert isinstance(decode(payload), dict)
+            outcomes["decoded"] += 1
+        except WireError:
+            outcomes["refused"] += 1
+    assert outcomes["decoded"] > 50 and outcomes["refused"] > 1000, outcomes  # both paths exercised
+
+
+def test_every_generated_tensor_lie_is_refused():
+    for name, obj in tensor_lies(random.Random(0)):
+        with pytest.raises(WireError):
+            unpack_tensor(obj)
+
+
+# ---- RPCServicer ----
+
+class FakeCaller:
+    """Stands in for a hivemind PeerID: the servicer only uses str(caller)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+async def _echo(message: Dict[str, Any], caller: str) -> Dict[str, Any]:
+    return {"echo": message, "caller": caller}
+
+
+def _raiser(error: Exception):
+    async def handler(message: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        raise error
+    return handler
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+@pytest.mark.parametrize("error, kind", [
+    (ValueError("v"), "bad_request"), (TypeError("t"), "bad_request"), (KeyError("k"), "bad_request"),
+    (IndexError("i"), "bad_request"), (OverflowError("o"), "bad_request"), (WireError("w"), "bad_request"),
+    (RemoteError("r", "wrong_stage"), "wrong_stage"), (RemoteError("r", "unavailable"), "unavailable"),
+    (RuntimeError("bug"), "internal"), (ZeroDivisionError("bug"), "internal"),
+])
+def test_handler_errors_map_to_kinds_and_only_bugs_log_a_traceback(error, kind, caplog):
+    servicer = RPCServicer({"m": _raiser(error)})
+    with caplog.at_level(logging.DEBUG, logger="swarm.rpc"):
+        reply = decode(run(servicer._dispatch("m", encode({}), FakeCaller("c1"))))
+    assert reply["kind"] == kind and reply["error"]
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == (1 if kind == "internal" else 0), caplog.text
+    assert len(servicer.budget) == 0
+
+
+@pytest.mark.parametrize("method, payload, expected", [
+    ("nope", encode({}), "unknown method"), ("x" * 100_000, encode({}), "unknown method"),
+    ("echo", b"\xc1garbage", "undecodable"), ("echo", msgpack.packb([1]), "must be a map"),
+    ("echo", msgpack.packb({"t": lie([2**62, 2**62])}), "exceeds the limit"), ("echo", b"", "undecodable"),
+])
+def test_bad_input_is_answered_with_bad_request_and_no_traceback(method, payload, expected, caplog):
+    servicer = RPCServicer({"echo": _echo})
+    with caplog.at_level(logging.DEBUG, logger="swarm.rpc"):
+        reply = decode(run(servicer._dispatch(method, payload, FakeCaller("c1"))))
+    assert reply["kind"] == "bad_request" and expected in reply["error"], reply
+    assert len(reply["error"]) < 1100
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_well_formed_request_reaches_the_handler_with_the_caller_id():
+    servicer = RPCServicer({"echo": _echo})
+    reply = decode(run(servicer._dispatch("echo", encode({"x": torch.arange(3)}), FakeCaller("12D3caller"))))
+    assert reply["caller"] == "12D3caller" and torch.equal(reply["echo"]["x"], torch.arange(3))
+
+
+def test_unencodable_reply_is_an_internal_error(caplog):
+    async def bad_reply(message, caller):
+        return {"x": object()}
+    with caplog.at_level(logging.ERROR, logger="swarm.rpc"):
+        reply = decode(run(RPCServicer({"m": bad_reply})._dispatch("m", encode({}), FakeCaller("c"))))
+    assert reply["kind"] == "internal" and "unencodable" in reply["error"]
+
+
+def test_concurrent_requests_over_the_per_caller_limit_are_busy():
+    async def scenario():
+        release = asyncio.Event()
+        started = 0
+
+        async def blocked(message, caller):
+            nonlocal started
+            started += 1
+            await release.wait()
+            return {"ok": True}
+
+        servicer = RPCServicer({"m": blocked}, max_requests_per_caller=3)
+        held = [asyncio.create_task(servicer._dispatch("m", encode({}), FakeCaller("greedy"))) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert started == 3 and servicer.budget.in_flight("greedy")[0] == 3
+        over = decode(await asyncio.wait_for(servicer._dispatch("m", encode({}), FakeCaller("greedy")), 1.0))
+        assert over["kind"] == "busy" and started == 3
+        other = asyncio.create_task(servicer._dispatch("m", encode({}), FakeCaller("polite")))  # others unaffected
+        await asyncio.sleep(0.01)
+        assert started == 4
+        release.set()
+        replies = [decode(reply) for reply in await asyncio.gather(*held, other)]
+        assert all(reply == {"ok": True} for reply in replies)
+        assert len(servicer.budget) == 0  # bookkeeping released, nothing left behind
+        after = decode(await servicer._dispatch("m", encode({}), FakeCaller("greedy")))
+        assert after == {"ok": True}
+    run(scenario())
+
+
+def test_bytes_in_flight_over_the_per_caller_limit_are_busy():
+    async def scenario():
+        release = asyncio.Event()
+
+        async def blocked(message, caller):
+            await release.wait()
+            return {"ok": True}
+
+        servicer = RPCServicer({"m": blocked}, max_message_bytes=1000, max_bytes_per_caller=1500)
+        payload = encode({"pad": b"\x00" * 800})
+        first = asyncio.create_task(servicer._dispatch("m", payload, FakeCaller("c")))
+        await asyncio.sleep(0.01)
+        second = decode(await asyncio.wait_for(servicer._dispatch("m", payload, FakeCaller("c")), 1.0))
+        assert second["kind"] == "busy" and "bytes" in second["error"]
+        small = asyncio.create_task(servicer._dispatch("m", encode({}), FakeCaller("c")))
+        await asyncio.sleep(0.01)
+        release.set()
+        assert decode(await first) == {"ok": True} and decode(await small) == {"ok": True}
+        assert len(servicer.budget) == 0
+    run(scenario())
+
+
+def test_budget_is_released_when_the_handler_fails_or_is_cancelled():
+    async def scenario():
+        never = asyncio.Event()
+
+        async def hang(message, caller):
+            await never.wait()
+
+        servicer = RPCServicer({"fail": _raiser(RuntimeError("x")), "hang": hang}, max_requests_per_caller=1)
+        await servicer._dispatch("fail", encode({}), FakeCaller("c"))
+        assert len(servicer.budget) == 0
+        task = asyncio.create_task(servicer._dispatch("hang", encode({}), FakeCaller("c")))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(servicer.budget) == 0
+    run(scenario())
+
+
+def test_limits_that_would_refuse_every_large_message_are_rejected():
+    with pytest.raises(ValueError, match="max_bytes_per_caller"):
+        RPCServicer({}, max_message_bytes=1000, max_bytes_per_caller=999)
+    with pytest.raises(ValueError, match="at least 1"):
+        RPCServicer({}, max_requests_per_caller=0)
+
+
+def test_unauthorized_callers_are_refused_and_logged_once_each(caplog):
+    calls: List[str] = []
+
+    async def handler(message, caller):
+        calls.append(caller)
+        return {"ok": True}
+
+    servicer = RPCServicer({"m": handler}, authorize=lambda caller: caller.startswith("friend"))
+
+    async def scenario():
+        replies = []
+        for caller in ["stranger1", "stranger1", "friend1", "stranger2", "stranger1"]:
+            replies.append(decode(await servicer._dispatch("m", encode({}), FakeCaller(caller))))
+        return replies
+
+    with caplog.at_level(logging.WARNING, logger="swarm.rpc"):
+        replies = run(scenario())
+    assert [r.get("kind") for r in replies] == ["unauthorized", "unauthorized", None, "unauthorized", "unauthorized"]
+    assert calls == ["friend1"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "stranger1" in warnings[0] and "stranger2" in warnings[1], warnings
+
+
+def test_reported_unauthorized_callers_are_bounded():
+    servicer = RPCServicer({}, authorize=lambda caller: False)
+    for i in range(3000):
+        servicer._refusal(f"c{i}")
+    assert len(servicer._reported) <= 1024
+
+
+def test_failing_authorize_is_an_internal_error_not_a_crash(caplog):
+    def authorize(caller):
+        raise RuntimeError("policy store down")
+    with caplog.at_level(logging.ERROR, logger="swarm.rpc"):
+        reply = decode(run(RPCServicer({"m": _echo}, authorize=authorize)._dispatch("m", encode({}), FakeCaller("c"))))
+    assert reply["kind"] == "internal"
+
+
+def test_kinds_are_documented():
+    import swarm.rpc
+    assert all(f"``{kind}``" in swarm.rpc.__doc__ for kind in KINDS)
+
+
+# ---- streams and call_peer, through a stand-in for P2P ----
+
+class LoopbackP2P:
+    """Hands a stub's calls straight to an in-process servicer (hivemind's StubBase calls these two methods)."""
+
+    def __init__(self, servicer: RPCServicer, caller: str = "caller", tamper=None):
+        self.servicer, self.caller, self.tamper = servicer, caller, tamper or (lambda chunks: chunks)
+        self.chunks_read = 0
+
+    async def call_protobuf_handler(self, peer, name, request, response_type):
+        response = await self.servicer.rpc_unary(request, SimpleNamespace(remote_id=FakeCaller(self.caller)))
+        return response_type(metadata=self.tamper([response.metadata])[0])
+
+    async def iterate_protobuf_handler(self, peer, name, requests, response_type):
+        replies = [r.metadata async for r in self.servicer.rpc_stream(requests, SimpleNamespace(
+            remote_id=FakeCaller(self.caller)))]
+
+        async def responses():
+            for chunk in self.tamper(replies):
+                self.chunks_read += 1
+                yield response_type(metadata=chunk)
+        return responses()
+
+
+def call(p2p: LoopbackP2P, method: str, message: Dict[str, Any], **kwargs) -> Dict[str, Any]:
+    return run(call_peer(p2p, FakeCaller("server"), method, message, timeout=10, **kwargs))
+
+
+def test_call_peer_round_trips_unary_and_stream():
+    p2p = LoopbackP2P(RPCServicer({"echo": _echo}))
+    big = torch.randn(600_000)  # 2.4 MB: goes as a stream, decoded off the event loop
+    assert torch.equal(call(p2p, "echo", {"x": big})["echo"]["x"], big)
+    assert call(p2p, "echo", {"x": 1}, stream=True)["echo"] == {"x": 1}
+    assert call(p2p, "echo", {"x": 1})["caller"] == "caller"
+
+
+def test_large_reply_to_a_unary_call_falls_back_to_a_stream():
+    async def large(message, caller):
+        return {"x": torch.zeros(1_200_000)}  # 4.8 MB > the unary reply limit
+    assert call(LoopbackP2P(RPCServicer({"m": large})), "m", {})["x"].shape == (1_200_000,)
+
+
+def test_oversized_replies_are_bad_reply_and_reading_stops_early():
+    async def large(message, caller):
+        return {"x": torch.zeros(1_500_000)}  # 6 MB: 3 chunks
+
+    p2p = LoopbackP2P(RPCServicer({"m": large}))
+    with pytest.raises(RemoteError) as error:
+        call(p2p, "m", {}, stream=True, max_reply_bytes=3 * 2**20)
+    assert error.value.kind == "bad_reply" and p2p.chunks_read == 2  # stopped at the chunk that crossed the limit
+    with pytest.raises(RemoteError) as error:
+        call(LoopbackP2P(RPCServicer({"m": _echo})), "m", {"pad": b"\0" * 5000}, max_reply_bytes=1000)
+    assert error.value.kind == "bad_reply"
+
+
+@pytest.mark.parametrize("tamper", [
+    lambda chunks: [chunk[: len(chunk) // 2] for chunk in chunks],
+    lambda chunks: [b"\xc1" + chunk for chunk in chunks],
+    lambda chunks: [msgpack.packb([1, 2])],
+])
+def test_undecodable_replies_are_bad_reply(tamper):
+    for stream in (False, True):
+        with pytest.raises(RemoteError) as error:
+            call(LoopbackP2P(RPCServicer({"m": _echo}), tamper=tamper), "m", {"x": 1}, stream=stream)
+        assert error.value.kind == "bad_reply"
+
+
+def test_unknown_error_kinds_from_a_peer_become_internal():
+    tamper = lambda chunks: [encode({"error": "x", "kind": "format_your_disk"})]  # noqa: E731
+    with pytest.raises(RemoteError) as error:
+        call(LoopbackP2P(RPCServicer({"m": _echo}), tamper=tamper), "m", {})
+    assert error.value.kind == "internal"
+
+
+def test_stream_requests_are_limited_per_message_and_per_caller():
+    servicer = RPCServicer({"echo": _echo}, max_message_bytes=3 * 2**20, max_bytes_per_caller=3 * 2**20)
+    p2p = LoopbackP2P(servicer)
+    with pytest.raises(RemoteError, match="exceeds this peer's limit") as error:
+        call(p2p, "echo", {"x": torch.zeros(1_000_000)})  # 4 MB message > 3 MiB
+    assert error.value.kind == "bad_request"
+    truncated = encode({"x": torch.zeros(600_000)})[: 2 * 2**20 + 100]
+
+    async def send_truncated():
+        async def requests():
+            for start in range(0, len(truncated), 2**20):
+                yield SimpleNamespace(uid="echo", metadata=truncated[start:start + 2**20])
+        return decode(await servicer._serve_stream(requests(), "c"))
+    reply = run(send_truncated())
+    assert reply["kind"] == "bad_request" and "undecodable" in reply["error"]
+    assert len(servicer.budget) == 0
+
+    async def over_budget():
+        servicer.budget.admit("c", 2 * 2**20)  # another request of the same caller holds 2 MiB
+
+        async def requests():
+            for _ in range(3):
+                yield SimpleNamespace(uid="echo", metadata=b"\0" * 2**20)
+        reply = decode(await servicer._serve_stream(requests(), "c"))
+        servicer.budget.release("c", 2 * 2**20)
+        return reply
+    assert run(over_budget())["kind"] == "busy"
+    assert len(servicer.budget) == 0
