@@ -7,6 +7,7 @@ help text and carry units. Defaults work on loopback.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
@@ -16,6 +17,9 @@ from swarm.policy.rebalance import RebalanceConfig
 from swarm.records import validate_run_id
 
 __all__ = ["RunConfig", "NetworkConfig", "PeerConfig", "TrainerConfig", "BootstrapConfig"]
+
+
+_BASE58_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
 
 
 def _positive(name: str, value: float) -> None:
@@ -33,9 +37,13 @@ class RunConfig:
     target_batch_size: int = 256  # samples per global step, summed over all trainers
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    allowlist: List[str] = field(default_factory=list)  # peer ids allowed in a private run; empty = anyone may join
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
+        for index, peer_id in enumerate(self.allowlist):
+            if not isinstance(peer_id, str) or not _BASE58_PEER_ID.match(peer_id):
+                raise ValueError(f"allowlist[{index}] must be a base58 peer id (like 12D3KooW... or Qm...), got {peer_id!r}")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
             raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
         if self.num_stages > self.model.num_layers:
@@ -80,16 +88,23 @@ class PeerConfig:
     overlap_averaging: bool = False  # keep computing the next step's gradients while a step is averaged: faster, but those gradients are one step stale
     max_batch_samples: int = 512  # largest request (samples) this peer accepts
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
+    max_requests_per_caller: int = 64  # requests one caller may have in flight at this peer; more are answered 'busy'
+    max_mb_per_caller: float = 256.0  # MiB of requests one caller may have in flight at this peer (at least max_message_mb)
     leave_timeout_s: float = 10.0  # seconds a leaving peer waits for in-flight requests (SIGTERM)
     checkpoint_dir: Optional[str] = None  # where to checkpoint the stage's state; None = no checkpoints
     checkpoint_period_s: float = 30.0  # seconds between checkpoints
     reinitialize: bool = False  # start a stage from its initialisation although the run is past step 0 and no replica or checkpoint has it
     rebalance: bool = False  # move to the bottleneck stage when the policy says so
     rebalance_policy: RebalanceConfig = field(default_factory=RebalanceConfig)
+    fault: str = "none"  # emulate a faulty replica that corrupts its replies (tests and attack benchmarks): one of swarm.server.faults.FAULTS
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
+        from swarm.server.faults import FAULTS
+
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault must be one of {list(FAULTS)}, got {self.fault!r}")
         if isinstance(self.stage, str) and self.stage != "auto":
             if not self.stage.isdigit():
                 raise ValueError(f"stage must be an integer or 'auto', got {self.stage!r}")
@@ -103,8 +118,11 @@ class PeerConfig:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
         if not self.delay_per_sample_s >= 0.0:
             raise ValueError(f"delay_per_sample_s must be >= 0, got {self.delay_per_sample_s!r}")
-        if self.max_batch_samples < 1 or self.num_threads < 1:
-            raise ValueError("max_batch_samples and num_threads must be at least 1")
+        if self.max_mb_per_caller < self.max_message_mb:
+            raise ValueError(f"max_mb_per_caller ({self.max_mb_per_caller}) must be at least max_message_mb "
+                             f"({self.max_message_mb})")
+        if self.max_batch_samples < 1 or self.num_threads < 1 or self.max_requests_per_caller < 1:
+            raise ValueError("max_batch_samples, num_threads and max_requests_per_caller must be at least 1")
 
 
 @dataclass
@@ -146,6 +164,7 @@ class BootstrapConfig:
     """A DHT-only entry point that others list in their initial_peers."""
 
     maddrs_file: Optional[str] = None  # write this peer's multiaddrs here once it is up
+    manifest: Optional[str] = None  # YAML file of the run's settings: sign it, publish it and serve it to joiners
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
 

@@ -7,13 +7,20 @@ Writes are atomic (temporary file, then rename): a peer killed mid-write leaves 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
+from hivemind.utils import get_logger
 
-__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint"]
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint", "Checkpointer"]
+
+logger = get_logger(__name__)
 
 
 def checkpoint_path(directory: str, run_id: str, stage: int) -> Path:
@@ -42,3 +49,42 @@ def load_checkpoint(path: Path, run_id: str, stage: int) -> Optional[Tuple[Dict[
     if not isinstance(metadata, dict) or metadata.get("stage") != stage or not isinstance(tensors, list):
         raise ValueError(f"checkpoint {path} does not hold stage {stage}")
     return metadata, tensors
+
+
+class Checkpointer:
+    """Saves the stage a peer serves every ``checkpoint_period_s`` (and when it leaves); restores it on joining."""
+
+    def __init__(self, peer: "StagePeer"):
+        self.peer = peer
+
+    def _path(self) -> Optional[Path]:
+        peer = self.peer
+        return checkpoint_path(peer.config.checkpoint_dir, peer.run.run_id, peer.stage) if peer.config.checkpoint_dir else None
+
+    async def restore(self) -> bool:
+        path, peer = self._path(), self.peer
+        if path is None:
+            return False
+        loaded = await asyncio.get_running_loop().run_in_executor(None, load_checkpoint, path, peer.run.run_id, peer.stage)
+        if loaded is None:
+            return False
+        await peer.compute(peer.runner.load_state, *loaded)
+        logger.info(f"stage {peer.stage}: restored from checkpoint {path} at step {peer.runner.step}")
+        return True
+
+    async def save(self) -> Optional[Path]:
+        path, peer = self._path(), self.peer
+        if path is None or peer.runner is None or peer.state != "online":
+            return None
+        metadata, tensors = await peer.compute(peer.shared_state)
+        await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, path, peer.run.run_id, metadata, tensors)
+        return path
+
+    async def run(self) -> None:
+        peer = self.peer
+        while not peer.stopping.is_set():
+            await peer.sleep_or_progress(None, peer.config.checkpoint_period_s, peer.config.checkpoint_period_s)
+            try:
+                await self.save()
+            except Exception:
+                logger.exception("checkpoint failed")

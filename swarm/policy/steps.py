@@ -1,0 +1,166 @@
+"""The global-step protocol of one stage, as pure decisions over a snapshot of its replicas.
+
+Every replica of a stage accumulates gradients for its *accumulation step*; the last stage is the
+swarm's clock: its replicas close step s once together they hold the global batch, and every other
+stage closes its own step s as soon as the clock has finished s. Closing a step freezes the
+accumulated gradients, averages them with the other replicas and applies the average.
+
+What the other replicas announce is a claim, not a fact: a record can be stale, wrong or a lie. So
+- a replica claiming a higher step is believed only until a state download fails to deliver it
+  (the caller then lists it in ``distrusted``, and it is ignored);
+- a replica's claimed pending samples count at most what the stage could plausibly hold for it, and
+  a replica whose claim was not borne out by the step's all-reduce (:func:`overclaimers`) is
+  distrusted for a while;
+- averaging a step needs nobody in particular: after ``max_failed_rounds`` rounds without a group,
+  a replica applies the step alone (:func:`step_alone`), so a replica that announces itself online
+  but never averages cannot stall the stage.
+
+The live peer (:mod:`swarm.server.stepping`) builds :class:`StageView` from its runner and the DHT;
+the simulator can build it from its own state. No clocks, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Collection, Dict, FrozenSet, Mapping, Sequence, Set, Tuple
+
+__all__ = [
+    "ReplicaClaim", "StageView", "trusted_others", "needs_resync", "diverged", "others_reserved",
+    "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
+    "overclaimers", "clock_step", "MAX_CLAIM_SHARE",
+]
+
+# a replica's claimed pending samples count at most this multiple of its fair share of the global batch
+MAX_CLAIM_SHARE = 2.0
+
+
+@dataclass(frozen=True)
+class ReplicaClaim:
+    """What another replica of the stage announces (its DHT record, reduced to what steps need)."""
+
+    peer_id: str
+    step: int  # global steps applied to its parameters
+    accum_step: int  # the step it accumulates into now
+    samples_pending: int = 0  # samples accumulated for accum_step
+    samples_admitted: int = 0  # samples of backward passes under way
+    digest: str = ""  # hash of its parameters at `step`
+
+
+@dataclass(frozen=True)
+class StageView:
+    """One replica's view of its stage at one moment."""
+
+    peer_id: str
+    is_clock: bool  # this stage is the last one: it decides when steps close
+    target_batch_size: int
+    step: int
+    accum_step: int
+    samples_pending: int  # accumulated locally for accum_step
+    samples_admitted: int  # local backward passes admitted but not accumulated yet
+    digest: str
+    averaging: bool  # a frozen step is being averaged now
+    others: Tuple[ReplicaClaim, ...] = ()  # the other online replicas of the stage (trusted ones only)
+    clock_steps: Tuple[int, ...] = ()  # steps announced by the clock stage's online or leaving replicas
+    overlap_averaging: bool = False
+
+
+def trusted_others(claims: Sequence[ReplicaClaim], distrusted: Collection[str]) -> Tuple[ReplicaClaim, ...]:
+    """The claims a replica acts on: everyone's but those of replicas caught lying."""
+    return tuple(claim for claim in claims if claim.peer_id not in distrusted)
+
+
+def needs_resync(view: StageView) -> bool:
+    """Whether to download the stage's state: another replica is ahead, or we diverged from it."""
+    return any(claim.step > view.step for claim in view.others) or diverged(view)
+
+
+def diverged(view: StageView) -> bool:
+    """Same step, different parameters: the replica with the higher peer id gives way."""
+    if view.averaging:
+        return False
+    return any(claim.step == view.step and claim.digest and claim.digest != view.digest
+               and claim.peer_id < view.peer_id for claim in view.others)
+
+
+def _claim_cap(view: StageView) -> float:
+    return MAX_CLAIM_SHARE * view.target_batch_size / (len(view.others) + 1)
+
+
+def others_pending(view: StageView) -> int:
+    """Samples the other replicas hold for our accumulation step, each claim capped at its plausible share."""
+    cap = _claim_cap(view)
+    return int(sum(min(claim.samples_pending, cap) for claim in view.others if claim.accum_step == view.accum_step))
+
+
+def others_reserved(view: StageView) -> float:
+    """What the other replicas hold or are about to hold for our step: their pending and admitted samples,
+    and a fair share for replicas whose record still shows an older step (they will accumulate for it too)."""
+    cap, share = _claim_cap(view), view.target_batch_size / (len(view.others) + 1)
+    reserved = 0.0
+    for claim in view.others:
+        if claim.accum_step == view.accum_step:
+            reserved += min(claim.samples_pending + claim.samples_admitted, cap)
+        elif claim.accum_step < view.accum_step:
+            reserved += share
+    return reserved
+
+
+def _held(view: StageView) -> float:
+    return view.samples_pending + view.samples_admitted + others_reserved(view)
+
+
+def near_target(view: StageView) -> bool:
+    """Close enough to a global step that progress should travel fast (announce and check often)."""
+    return 2 * _held(view) >= view.target_batch_size
+
+
+def stage_is_full(view: StageView) -> bool:
+    return _held(view) >= view.target_batch_size
+
+
+def must_wait(view: StageView) -> bool:
+    """Whether a new backward pass must wait before it accumulates.
+
+    While a step is averaged (unless ``overlap_averaging``), so that every gradient is computed on the
+    parameters it updates; and on the clock stage once it holds a whole global batch, so steps stay
+    near the target however fast trainers are. Earlier stages never hold back for a full batch: they
+    would hold the very micro-batches whose successors the clock is waiting for."""
+    return (view.averaging and not view.overlap_averaging) or (view.is_clock and stage_is_full(view))
+
+
+def step_is_due(view: StageView) -> bool:
+    """Whether to close the accumulation step now.
+
+    Another replica already froze it (it waits for us to average); or, on the clock stage, the replicas
+    together hold the global batch; or, on any other stage, the clock has finished this step. The clock's
+    step is the upper median of what its replicas announce, so that one replica announcing a step far
+    ahead cannot make the other stages close step after step without samples."""
+    if any(claim.accum_step > view.accum_step for claim in view.others):
+        return True
+    if view.is_clock:
+        return view.samples_pending + others_pending(view) >= view.target_batch_size
+    return bool(view.clock_steps) and clock_step(view.clock_steps) > view.accum_step
+
+
+def clock_step(steps: Sequence[int]) -> int:
+    """The clock stage's step: the upper median of its replicas' announced steps (the only one, or the
+    larger of two, or a value that a majority has reached)."""
+    ordered = sorted(steps)
+    return ordered[len(ordered) // 2]
+
+
+def step_alone(failed_rounds: int, max_failed_rounds: int) -> bool:
+    """Whether to apply a frozen step without the other replicas: none formed a group for it in
+    ``max_failed_rounds`` rounds (they are gone, stuck, or were never really there). A replica that
+    was merely slow notices the divergence by digest and downloads the stage's state."""
+    return failed_rounds >= max_failed_rounds
+
+
+def overclaimers(claims: Mapping[str, int], gathered: Mapping[str, int], slack: float = 0.5) -> Set[str]:
+    """Replicas whose announced pending samples for a step were not borne out by its all-reduce.
+
+    ``claims``: the pending samples each other replica announced when the step closed; ``gathered``: the
+    samples each group member actually reported in the round. A replica that claimed samples and then
+    reported fewer than ``slack`` times its claim (or stayed away) made the step close early on its word."""
+    return {peer_id for peer_id, claimed in claims.items()
+            if claimed > 0 and gathered.get(peer_id, 0) < slack * claimed}

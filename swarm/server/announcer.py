@@ -1,0 +1,55 @@
+"""What a stage peer announces in the DHT, and how often.
+
+The record (:class:`PeerRecord`) is re-stored every announce period with an expiration, so a peer
+that dies disappears on its own; while its stage nears a global step it is re-stored every
+``FAST_PERIOD_S`` (and at once when gradients arrive), so that replicas see each other's progress in
+time to close steps on target.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from swarm import PROTOCOL_VERSION
+from swarm.dht_io import store_record
+from swarm.records import PeerRecord, stage_key
+from swarm.server.stepping import FAST_PERIOD_S
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["Announcer"]
+
+
+class Announcer:
+    def __init__(self, peer: "StagePeer"):
+        self.peer = peer
+
+    def record(self) -> PeerRecord:
+        peer, runner, steps = self.peer, self.peer.runner, self.peer.steps
+        base, bits = steps.contributed if steps is not None else (0, 0)
+        return PeerRecord(
+            version=PROTOCOL_VERSION, peer_id=peer.peer_id, stage=peer.stage, state=peer.state,
+            throughput=runner.meter.samples_per_s if runner else 0.0, queue_length=peer.queued,
+            step=runner.step if runner else 0, accum_step=runner.accum_step if runner else 0,
+            samples_pending=runner.samples_pending if runner else 0,
+            samples_frozen=runner.frozen.samples if runner is not None and runner.frozen is not None else 0,
+            samples_admitted=steps.admitted if steps is not None else 0,
+            samples_applied=runner.samples_applied if runner else 0,
+            digest=runner.digest if runner else "", samples_processed=runner.samples_processed if runner else 0,
+            contributed_base=base, contributed_bits=bits, run_hash=peer.run_hash,
+        )
+
+    async def announce(self) -> None:
+        peer = self.peer
+        await store_record(peer.dht, stage_key(peer.run.run_id, peer.stage), self.record(), peer.config.expiration_s)
+
+    async def run(self) -> None:
+        """Announce every announce period, and every ``FAST_PERIOD_S`` while the stage nears its global batch."""
+        peer = self.peer
+        while not peer.stopping.is_set():
+            await self.announce()
+            if peer.steps is not None and peer.steps.near_target():
+                await peer.sleep_or_progress("announce", FAST_PERIOD_S, FAST_PERIOD_S)
+            else:  # far from a step: no need to tell anyone about every backward pass
+                await peer.sleep_or_progress(None, peer.config.announce_period_s, 0.0)

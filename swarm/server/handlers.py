@@ -1,0 +1,134 @@
+"""The RPC methods a stage peer serves: forward, backward, info, parameters, step_members, settings.
+
+Each handler checks its request before any work (state, stage, shapes, the caller's right to the
+micro-batch id) and raises ``ValueError``/:class:`RemoteError` for bad input, which the servicer turns
+into a 'bad_request' reply; the compute runs on the peer's single compute thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict
+
+import torch
+
+from swarm.agreement import settings_reply
+from swarm.rpc import RemoteError
+from swarm.server.faults import corrupt_reply
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["StageHandlers", "check_micro_batch_id"]
+
+
+def check_micro_batch_id(micro_batch_id: Any, caller: str) -> str:
+    """A micro-batch id is ``"<caller peer id>:<anything>"``: bound to the trainer that sent it, so nobody can
+    take a victim's id first and make a replica drop the victim's gradient as a duplicate."""
+    if not isinstance(micro_batch_id, str) or not micro_batch_id:
+        raise ValueError("backward needs a non-empty string micro_batch_id")
+    if len(micro_batch_id) > 256:
+        raise ValueError("micro_batch_id is longer than 256 characters")
+    if not micro_batch_id.startswith(f"{caller}:"):
+        raise ValueError(f"micro_batch_id {micro_batch_id[:80]!r} does not belong to the caller {caller}: "
+                         f"ids must start with the caller's peer id and ':'")
+    return micro_batch_id
+
+
+def _batch_size(request: Dict[str, Any]) -> int:
+    inputs = request.get("inputs")
+    if not isinstance(inputs, torch.Tensor):
+        raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+    if inputs.ndim < 1:
+        raise ValueError("inputs must have a batch dimension, got a 0-d tensor")
+    return int(inputs.shape[0])
+
+
+class StageHandlers:
+    """Binds the RPC methods to one :class:`StagePeer`; ``table()`` is what the servicer serves."""
+
+    def __init__(self, peer: "StagePeer"):
+        self.peer = peer
+
+    def table(self) -> Dict[str, Any]:
+        return {"forward": self.forward, "backward": self.backward, "info": self.info,
+                "parameters": self.parameters, "step_members": self.step_members, "settings": self.settings}
+
+    def _check(self, request: Dict[str, Any]) -> int:
+        """Refuse work this peer cannot take now; returns the request's batch size."""
+        peer = self.peer
+        if peer.state != "online":
+            raise RemoteError(f"peer is {peer.state}, not taking new work", "unavailable")
+        if request.get("stage") != peer.stage:
+            raise RemoteError(f"this peer serves stage {peer.stage}, not {request.get('stage')!r}", "wrong_stage")
+        samples = _batch_size(request)
+        if samples > peer.config.max_batch_samples:
+            raise ValueError(f"batch of {samples} samples exceeds this peer's limit of {peer.config.max_batch_samples}")
+        return samples
+
+    async def forward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        peer = self.peer
+        self._check(request)
+        inputs, targets = request.get("inputs"), request.get("targets")
+        peer.in_flight += 1
+        try:
+            if peer.runner.module.is_last:  # a loss per request: not mergeable
+                reply = {"loss": float(await peer.compute(peer.runner.forward, inputs, targets))}
+            else:
+                peer.runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
+                peer.queued += 1
+                try:
+                    reply = {"outputs": await peer.batcher.forward(inputs)}
+                finally:
+                    peer.queued -= 1
+        finally:
+            peer.in_flight -= 1
+        return corrupt_reply(peer.config.fault, "forward", reply)
+
+    async def backward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        peer = self.peer
+        samples = self._check(request)
+        micro_batch_id = check_micro_batch_id(request.get("micro_batch_id"), caller)
+        steps = peer.steps
+        peer.in_flight += 1
+        await steps.wait_for_room(samples)
+        try:
+            grad_inputs, loss, step = await peer.compute(
+                peer.runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
+                request.get("targets"))
+        finally:
+            peer.in_flight -= 1
+            steps.release(samples)
+        peer.notify_progress()
+        reply: Dict[str, Any] = {"step": step}
+        if grad_inputs is not None:
+            reply["grad_inputs"] = grad_inputs
+        if loss is not None:
+            reply["loss"] = loss
+        return corrupt_reply(peer.config.fault, "backward", reply)
+
+    async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        return self.peer.announcer.record().model_dump(mode="json")
+
+    async def parameters(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        """The stage's parameters (to export a trained model, or to check replicas agree); with
+        ``gradients: true`` also the mean gradient accumulated so far for the current step."""
+        peer = self.peer
+        return await peer.compute(peer.runner.export, bool(request.get("gradients", False)))
+
+    async def step_members(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        """The peers whose gradients a recent applied step averaged: how a trainer learns whether a
+        replica that died had its contribution included before it went."""
+        peer, step = self.peer, request.get("step")
+        if request.get("stage") != peer.stage:
+            raise RemoteError(f"this peer serves stage {peer.stage}, not {request.get('stage')!r}", "wrong_stage")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"step must be an integer, got {type(step).__name__}")
+        members = peer.steps.members.get(step)
+        if members is None:
+            raise ValueError(f"unknown step {step}: this replica remembers steps "
+                             f"{min(peer.steps.members, default='-')}..{max(peer.steps.members, default='-')}")
+        return {"step": step, "members": list(members)}
+
+    async def settings(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        """The run settings this peer serves, so that a newcomer with other settings learns which field differs."""
+        return settings_reply(self.peer.run)

@@ -1,0 +1,39 @@
+"""The rebalance loop: every (jittered) period, ask the shared pure policy whether this peer should
+move to another stage, and move if it says so (:func:`swarm.policy.rebalance.decide_move`)."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING
+
+from hivemind.utils import get_logger
+
+from swarm.policy.rebalance import decide_move, next_period_s
+from swarm.records import to_peer_infos
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["rebalance_loop"]
+
+logger = get_logger(__name__)
+
+
+async def rebalance_loop(peer: "StagePeer") -> None:
+    rng = random.Random(peer.peer_id)
+    policy = peer.config.rebalance_policy
+    while not peer.stopping.is_set():
+        if peer.runner.meter.samples_per_s <= 0:  # decide on measured throughput only: wait for real work
+            await peer.sleep_or_progress(None, 0.5, 0.5)
+            continue
+        await peer.sleep_or_progress(None, next_period_s(policy, rng), 0.0)
+        if peer.stopping.is_set() or peer.state != "online":
+            continue
+        snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
+        target = decide_move(snapshot, peer.peer_id, peer.run.num_stages, policy)
+        if target is not None and target != peer.stage:
+            try:
+                await peer.move_to(target)
+            except Exception:
+                logger.exception(f"moving to stage {target} failed; leaving the swarm")
+                peer.stopping.set()

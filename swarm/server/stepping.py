@@ -1,0 +1,186 @@
+"""Global steps of one stage: admission of backward passes, closing steps, all-reduce, applying.
+
+The decisions (when to close, who waits, when to resync, whom to stop believing) are the pure
+functions of :mod:`swarm.policy.steps`; this module feeds them a :class:`StageView` built from the
+runner and the stage's DHT records, and carries them out: freezing the accumulator, averaging it
+with the other replicas through :class:`StageAverager`, applying the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+from hivemind.utils import get_logger
+
+from swarm.policy.steps import (
+    ReplicaClaim, StageView, must_wait, near_target, needs_resync, overclaimers, step_alone, step_is_due,
+    trusted_others,
+)
+from swarm.records import PeerRecord, update_contributed
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["StepCoordinator", "FAST_PERIOD_S", "MEMBER_HISTORY"]
+
+logger = get_logger(__name__)
+FAST_PERIOD_S = 0.05  # announce/check period (seconds) while a stage nears its global batch
+MEMBER_HISTORY = 256  # applied steps whose group members a replica remembers (the step_members RPC)
+MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica applies a step alone
+RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
+DISTRUST_S = 120.0  # seconds a replica's claims are ignored after they proved false
+
+
+class StepCoordinator:
+    """Runs the global-step protocol for the stage ``peer`` serves now (one coordinator per stage taken up)."""
+
+    def __init__(self, peer: "StagePeer"):
+        self.peer = peer
+        self.admitted = 0  # samples of backward passes admitted but not yet accumulated
+        self.members: "OrderedDict[int, List[str]]" = OrderedDict()  # applied step -> peers whose gradients it averaged
+        self.contributed = (0, 0)  # (base, bits): steps that included this replica's gradients
+        self._distrusted: Dict[str, float] = {}  # peer id -> monotonic time until which its claims are ignored
+        self._others: Tuple[ReplicaClaim, ...] = ()
+        self._clock_steps: Tuple[int, ...] = ()
+        self._failed_rounds = 0
+
+    # ---- the view the policy decides on ----
+
+    def view(self) -> StageView:
+        peer, runner = self.peer, self.peer.runner
+        return StageView(
+            peer_id=peer.peer_id, is_clock=peer.stage == peer.run.num_stages - 1,
+            target_batch_size=peer.run.target_batch_size, step=runner.step, accum_step=runner.accum_step,
+            samples_pending=runner.samples_pending, samples_admitted=self.admitted, digest=runner.digest,
+            averaging=runner.frozen is not None, others=self._others, clock_steps=self._clock_steps,
+            overlap_averaging=peer.config.overlap_averaging)
+
+    def _observe(self, records: Dict[str, PeerRecord]) -> None:
+        """Take the stage's claims from a DHT snapshot, leaving out replicas caught lying."""
+        peer, now = self.peer, time.monotonic()
+        self._distrusted = {p: until for p, until in self._distrusted.items() if until > now}
+        claims = [ReplicaClaim(r.peer_id, r.step, r.accum_step, r.samples_pending, r.samples_admitted, r.digest)
+                  for r in records.values()
+                  if r.stage == peer.stage and r.peer_id != peer.peer_id and r.state == "online"]
+        self._others = trusted_others(claims, self._distrusted)
+        last = peer.run.num_stages - 1
+        self._clock_steps = tuple(r.step for r in records.values() if r.stage == last and r.state in ("online", "leaving")
+                                  and r.peer_id not in self._distrusted)
+
+    def distrust(self, peer_ids, why: str) -> None:
+        for peer_id in peer_ids:
+            if peer_id not in self._distrusted:
+                logger.warning(f"stage {self.peer.stage}: ignoring the claims of {peer_id} for {DISTRUST_S:.0f}s: {why}")
+            self._distrusted[peer_id] = time.monotonic() + DISTRUST_S
+
+    # ---- admission (called by the backward handler) ----
+
+    def near_target(self) -> bool:
+        return near_target(self.view())
+
+    def must_wait(self) -> bool:
+        return self.peer.state == "online" and must_wait(self.view())
+
+    async def wait_for_room(self, samples: int) -> None:
+        """Backpressure, bounded in time: wait while the policy says new gradients must wait, then admit."""
+        deadline = time.monotonic() + self.peer.config.averaging_timeout_s
+        while self.must_wait() and time.monotonic() < deadline:
+            self.peer.notify_progress()
+            await asyncio.sleep(0.01)
+        self.admitted += samples
+
+    def release(self, samples: int) -> None:
+        self.admitted -= samples
+
+    # ---- the loop ----
+
+    async def run(self) -> None:
+        """Every poll period: catch up if behind, and run a global step once the stage has the global batch."""
+        peer = self.peer
+        while not peer.stopping.is_set() and not peer.stage_done.is_set():
+            try:
+                await self.coordinate_once()
+            except Exception:
+                logger.exception("step coordination failed; retrying")
+            waker = "coordinate" if self.near_target() or peer.runner.frozen is not None else None
+            await peer.sleep_or_progress(waker, peer.config.poll_period_s, FAST_PERIOD_S)
+
+    async def coordinate_once(self) -> None:
+        peer = self.peer
+        self._observe(await peer.fetch_records())
+        view = self.view()
+        if needs_resync(view):
+            await self._resync(view)
+            return
+        if peer.runner.frozen is not None or step_is_due(view):
+            await self._global_step(view)
+
+    async def _resync(self, view: StageView) -> None:
+        peer = self.peer
+        ahead = [c for c in view.others if c.step > view.step]
+        logger.info(f"stage {peer.stage}: out of sync with the other replicas at step {view.step}; downloading their state")
+        delivered = await peer.joining.download_state(max_attempts=RESYNC_ATTEMPTS)
+        # a claim that no download could bear out is ignored for a while (then believed again, if still made)
+        self.distrust([c.peer_id for c in ahead if c.step > peer.runner.step],
+                      f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
+                      f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}")
+
+    async def _global_step(self, view: StageView) -> None:
+        peer = self.peer
+        claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
+        frozen = await peer.compute(peer.runner.freeze)
+        if not view.others:
+            await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id])
+            return
+        gather = {"step": frozen.step, "samples": frozen.samples, "peer_id": peer.peer_id}
+        started = time.monotonic()
+        logger.info(f"stage {peer.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
+                    f"with {len(view.others)} other replicas")
+        result = await peer.averager.average(
+            frozen.step, frozen.mean_grads, frozen.samples, gather,
+            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s)
+        logger.info(f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
+                    f"after {time.monotonic() - started:.2f}s")
+        if result is None:
+            self._failed_rounds += 1
+            if step_alone(self._failed_rounds, MAX_FAILED_ROUNDS):
+                logger.warning(f"stage {peer.stage}: no replica averaged step {frozen.step} in {self._failed_rounds} "
+                               f"rounds; applying it alone")
+                self.distrust([c.peer_id for c in view.others], "announced itself online but did not average")
+                await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id])
+            return  # otherwise the frozen step stays: the next poll retries, or resyncs if others moved on
+        averaged, gathered = result
+        steps = {data.get("step") for data in gathered.values() if isinstance(data, dict)}
+        if steps != {frozen.step}:
+            logger.warning(f"stage {peer.stage}: group gathered mismatched steps {steps}; dropping this round")
+            return
+        samples = {peer_id: int(data.get("samples", 0)) for peer_id, data in gathered.items()}
+        liars = overclaimers(claims, samples)
+        if liars:
+            self.distrust(liars, "announced pending samples that its all-reduce contribution did not bear out")
+        await self.apply(averaged, sum(samples.values()), sorted(gathered))
+
+    async def apply(self, mean_grads: Sequence, total_samples: int, members: List[str]) -> None:
+        """Apply the frozen step with the group's mean gradient, remember who contributed, announce."""
+        peer = self.peer
+        step = peer.runner.frozen.step
+        await peer.compute(peer.runner.apply, mean_grads, total_samples)
+        self._failed_rounds = 0
+        self.remember(step, members)
+        logger.info(f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas")
+        await peer.announcer.announce()
+
+    def remember(self, step: int, members: List[str]) -> None:
+        """Record the members of an applied step (for trainers that ask) and whether ours were among them."""
+        self.members[step] = list(members)
+        while len(self.members) > MEMBER_HISTORY:
+            self.members.popitem(last=False)
+        self.contributed = update_contributed(*self.contributed, step, self.peer.peer_id in members)
+
+    def skipped(self, from_step: int, to_step: int) -> None:
+        """Steps applied by the stage without this replica's gradients (it downloaded their result)."""
+        for step in range(max(from_step, to_step - 64), to_step):
+            self.contributed = update_contributed(*self.contributed, step, False)

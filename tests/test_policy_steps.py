@@ -1,0 +1,96 @@
+"""The step protocol's pure decisions on hand-built stage views."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from swarm.policy.steps import (
+    ReplicaClaim, StageView, clock_step, diverged, must_wait, near_target, needs_resync, others_pending,
+    overclaimers, stage_is_full, step_alone, step_is_due, trusted_others,
+)
+
+TARGET = 100
+
+
+def view(**overrides) -> StageView:
+    base = StageView(peer_id="B", is_clock=True, target_batch_size=TARGET, step=3, accum_step=3, samples_pending=0,
+                     samples_admitted=0, digest="d3", averaging=False)
+    return replace(base, **overrides)
+
+
+def claim(peer_id: str = "A", step: int = 3, accum_step: int = 3, pending: int = 0, admitted: int = 0,
+          digest: str = "d3") -> ReplicaClaim:
+    return ReplicaClaim(peer_id, step, accum_step, pending, admitted, digest)
+
+
+def test_clock_closes_at_target_counting_other_replicas():
+    assert not step_is_due(view(samples_pending=60))
+    assert step_is_due(view(samples_pending=100))
+    assert not step_is_due(view(samples_pending=60, others=(claim(pending=30),)))
+    assert step_is_due(view(samples_pending=60, others=(claim(pending=40),)))
+    # a claim for another accumulation step does not count towards ours
+    assert not step_is_due(view(samples_pending=60, others=(claim(accum_step=2, step=2, pending=90),)))
+
+
+def test_other_stages_follow_the_clock():
+    stage0 = view(is_clock=False, samples_pending=5)
+    assert not step_is_due(stage0)
+    assert not step_is_due(replace(stage0, clock_steps=(3,)))
+    assert step_is_due(replace(stage0, clock_steps=(4,)))
+
+
+def test_a_frozen_replica_elsewhere_makes_the_step_due():
+    # another replica froze our step and waits for us to average it
+    assert step_is_due(view(is_clock=False, others=(claim(accum_step=4),)))
+
+
+def test_backward_waits_while_averaging_and_on_a_full_clock():
+    assert must_wait(view(averaging=True))
+    assert not must_wait(view(averaging=True, overlap_averaging=True))
+    assert must_wait(view(samples_pending=80, samples_admitted=20))
+    assert not must_wait(view(is_clock=False, samples_pending=80, samples_admitted=20))
+    assert stage_is_full(view(samples_pending=50, others=(claim(pending=50),)))
+    assert near_target(view(samples_pending=50)) and not near_target(view(samples_pending=49))
+
+
+def test_reserved_share_for_a_replica_still_on_the_previous_step():
+    lagging = claim(step=2, accum_step=2)
+    # a lagging replica will accumulate for our step too: it reserves a fair share of the batch
+    assert stage_is_full(view(samples_pending=50, others=(lagging,)))
+    assert not stage_is_full(view(samples_pending=49, others=(lagging,)))
+
+
+def test_divergence_gives_way_to_the_lower_peer_id():
+    assert diverged(view(others=(claim(peer_id="A", digest="other"),)))
+    assert not diverged(view(peer_id="A", others=(claim(peer_id="B", digest="other"),)))
+    assert not diverged(view(averaging=True, others=(claim(peer_id="A", digest="other"),)))
+    assert needs_resync(view(others=(claim(step=4, accum_step=4),)))
+    assert not needs_resync(view(others=(claim(),)))
+
+
+def test_a_lone_replica_steps_alone_after_failed_rounds():
+    assert step_is_due(view(samples_pending=100, others=(claim(pending=0),)))  # a silent "replica" does not block closing
+    assert not step_alone(failed_rounds=1, max_failed_rounds=2)
+    assert step_alone(failed_rounds=2, max_failed_rounds=2)
+
+
+def test_claims_are_capped_and_liars_are_found_and_ignored():
+    liar = claim(peer_id="L", pending=10**9)
+    # with one other replica a claim counts at most twice its fair share: the whole batch, never more
+    assert others_pending(view(others=(liar,))) == TARGET
+    honest = claim(peer_id="H", pending=10)
+    capped = others_pending(view(others=(liar, honest)))
+    assert capped == int(2 * TARGET / 3) + 10
+    assert overclaimers({"L": 10**9, "H": 10}, {"H": 12, "B": 40}) == {"L"}
+    assert overclaimers({"L": 80}, {"L": 30}) == {"L"}
+    assert overclaimers({"H": 80}, {"H": 80}) == set()
+    assert trusted_others((liar, honest), {"L"}) == (honest,)
+    # once ignored, the liar no longer makes the clock close early
+    assert not step_is_due(view(samples_pending=10, others=trusted_others((liar, honest), {"L"})))
+
+
+def test_clock_step_is_an_upper_median():
+    assert clock_step([7]) == 7
+    assert clock_step([7, 8]) == 8
+    assert clock_step([7, 7, 10**9]) == 7  # one replica announcing a far step does not move the others
+    assert clock_step([7, 8, 8]) == 8
