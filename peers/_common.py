@@ -1,14 +1,18 @@
-"""What every runnable role shares: logging, signal handling, a machine-readable ready line."""
+"""What every runnable role shares: logging, signal handling, a machine-readable ready line, and
+joining a run from the organiser's signed manifest (``--join ADDRESS``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
 import sys
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, Iterator, NoReturn, Optional, Sequence, Tuple, Type, TypeVar
+
+T = TypeVar("T")
 
 
 def setup_logging() -> None:
@@ -36,3 +40,131 @@ def stop_event() -> asyncio.Event:
 def fail(message: str) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return 1
+
+
+# ---- joining a run with one address: the organiser's signed manifest ----
+
+MANIFEST_FETCH_TIMEOUT_S = 30.0  # seconds to reach the organiser and get its manifest
+
+
+def _add_join(parser) -> None:
+    parser.add_argument("--join", default=None, metavar="ADDRESS",
+                        help="join the run organised by the peer at ADDRESS (a multiaddr ending in /p2p/<peer id>): "
+                             "its signed manifest supplies every run setting, and ADDRESS becomes an initial peer")
+
+
+async def fetch_run_manifest(address: str, timeout: float = MANIFEST_FETCH_TIMEOUT_S):
+    """The organiser's verified manifest, over a P2P node of its own that lives only for this call.
+
+    The role's own DHT cannot fetch it: in a private run that DHT needs the allowlist (which
+    is in the manifest) before it can start, and its peer id must be the joiner's identity,
+    which a throwaway node does not need."""
+    from hivemind.p2p import P2P
+
+    from swarm.manifest import fetch_manifest_from
+
+    p2p = await P2P.create(initial_peers=[address], startup_timeout=timeout)
+    try:
+        return await fetch_manifest_from(p2p, address, timeout)
+    finally:
+        await p2p.shutdown()
+
+
+def _exit(code: int, message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def load_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, description: str) -> Tuple[T, Any]:
+    """A role's config from YAML and flags, or with ``--join ADDRESS`` from the organiser's manifest.
+
+    Returns (config, the verified manifest or None). Exits with code 2 and one line on stderr when
+    a setting the user gave contradicts the manifest, and with code 1 when the manifest cannot be
+    fetched or trusted, or the run is private and this peer is not on its allowlist."""
+    from swarm.configuration import ConfigError, config_from_dict, parse_role_args
+
+    role = parse_role_args(cls, argv, prog, description, add_extras=_add_join)
+    address = role.extras.join
+    if address is None:
+        try:
+            return config_from_dict(cls, role.settings), None
+        except ConfigError as e:
+            role.parser.error(f"invalid configuration: {e}")
+    from swarm.manifest import ManifestError, join_settings, peer_id_in_address
+
+    try:
+        peer_id_in_address(address)
+    except ManifestError as e:
+        _exit(2, f"--join: {e}")
+    with _quiet_hivemind():
+        try:
+            manifest = asyncio.run(fetch_run_manifest(address))
+        except Exception as e:  # p2pd, the network and the manifest's checks each raise their own types
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            _exit(1, f"cannot get a trustworthy run manifest from {address}: {reason}")
+    try:
+        config = config_from_dict(cls, join_settings(role.settings, manifest, address))
+    except ConfigError as e:
+        _exit(2, str(e))
+    _check_allowed(config, manifest)
+    return config, manifest
+
+
+def _check_allowed(config: Any, manifest: Any) -> None:
+    """Refuse early, with the reason, to join a private run that would refuse this peer."""
+    from swarm.auth import Allowlist, check_membership
+
+    allowlist = Allowlist.of(manifest.run.allowlist)
+    own_peer_id = None
+    if not allowlist.is_open and config.network.identity_path is not None:
+        from swarm.identity import load_or_create_identity
+
+        try:
+            own_peer_id = load_or_create_identity(config.network.identity_path).peer_id
+        except (OSError, ValueError) as e:
+            _exit(1, f"cannot load the identity {config.network.identity_path}: {e}")
+    verdict = check_membership(allowlist, own_peer_id)
+    if not verdict.ok:
+        _exit(1, verdict.reason)
+
+
+@contextlib.contextmanager
+def _quiet_hivemind() -> Iterator[None]:
+    """Keep hivemind's info lines off stderr while fetching, so that an error is the only line there."""
+    hivemind_logger = logging.getLogger("hivemind")
+    level = hivemind_logger.level
+    hivemind_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        hivemind_logger.setLevel(level)
+
+
+def parameter_count(model: Any) -> int:
+    """Parameters of the whole model of ``model`` (a ModelConfig), counted without allocating them."""
+    import torch
+
+    from swarm.model import Block
+
+    with torch.device("meta"):
+        per_block = sum(p.numel() for p in Block(model).parameters())
+    h, vocab = model.hidden_size, model.vocab_size
+    return (vocab + model.seq_len) * h + model.num_layers * per_block + 2 * h + h * vocab  # embeddings, blocks, ln_f, head
+
+
+def _human(count: int) -> str:
+    for unit, size in (("billion", 1e9), ("million", 1e6), ("thousand", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return str(count)
+
+
+def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = None) -> str:
+    """What a role is about to do, in plain words, before it starts."""
+    what = f"serve {'the stage that needs capacity most' if stage == 'auto' else f'stage {stage}'}" \
+        if role == "peer" else "push micro-batches through the pipeline"
+    access = "anyone may join" if not run.allowlist else f"private run, {len(run.allowlist)} allowed peers"
+    return (f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
+            f"{access}). The model: {_human(parameter_count(run.model))} parameters "
+            f"({run.model.num_layers} layers, hidden size {run.model.hidden_size}) cut into {run.num_stages} stages, "
+            f"{run.target_batch_size} samples per global step. This {role} will {what} on device {device}.")

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 SUBCOMMANDS = {
     "peer": ("peers.peer", "serve one pipeline stage"),
     "train": ("peers.trainer", "push micro-batches through the swarm"),
-    "bootstrap": ("peers.bootstrap", "run a DHT entry point for others to join"),
+    "bootstrap": ("peers.bootstrap", "run a DHT entry point for others to join; with --manifest, organise a run"),
     "demo": ("peers.demo", "start a whole swarm on 127.0.0.1 and train for a while"),
     "status": ("peers.status", "watch a run's peers and trainers from the DHT"),
     "plan": ("peers.plan", "allocate stages over a heterogeneous network"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Optional, Sequence
 
-from peers._common import emit, fail, setup_logging, stop_event
+from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config import PeerConfig
-from swarm.configuration import parse_role_config
+from swarm.configuration import ConfigError
 
 
 async def serve(config: PeerConfig) -> int:
@@ -17,7 +17,7 @@ async def serve(config: PeerConfig) -> int:
     peer = StagePeer(config)
     try:
         await peer.start()
-        emit("peer_ready", peer_id=peer.peer_id, stage=peer.stage, step=peer.runner.step,
+        emit("peer_ready", peer_id=peer.peer_id, run_id=config.run.run_id, stage=peer.stage, step=peer.runner.step,
              maddrs=[str(a) for a in peer.dht.get_visible_maddrs()])
         await stop.wait()
         emit("peer_leaving", peer_id=peer.peer_id)
@@ -29,9 +29,14 @@ async def serve(config: PeerConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    config = parse_role_config(PeerConfig, argv, "swarm peer", "Serve one pipeline stage of a swarm training run.")
+    config, manifest = load_role_config(PeerConfig, argv, "swarm peer", "Serve one pipeline stage of a swarm training run.")
+    if manifest is not None:
+        print(describe_join("peer", config.run, manifest, config.device, config.stage), flush=True)
     setup_logging()
     try:
         return asyncio.run(serve(config))
+    except ConfigError as e:  # settings that differ from the run's peers
+        fail(f"invalid configuration: {e}")
+        return 2
     except (RuntimeError, OSError) as e:
         return fail(str(e))

@@ -7,9 +7,9 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from peers._common import emit, fail, setup_logging, stop_event
+from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config import TrainerConfig
-from swarm.configuration import parse_role_config
+from swarm.configuration import ConfigError
 
 logger = logging.getLogger("swarm.trainer")
 
@@ -53,9 +53,15 @@ async def train(config: TrainerConfig) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    config = parse_role_config(TrainerConfig, argv, "swarm train", "Train a model on a swarm of stage peers.")
+    config, manifest = load_role_config(TrainerConfig, argv, "swarm train", "Train a model on a swarm of stage peers.")
+    if manifest is not None:
+        # the trainer holds no stage: its own compute is sampling data and relaying activations
+        print(describe_join("trainer", config.run, manifest, "cpu"), flush=True)
     setup_logging()
     try:
         return asyncio.run(train(config))
+    except ConfigError as e:  # settings that differ from the run's peers
+        fail(f"invalid configuration: {e}")
+        return 2
     except (RuntimeError, OSError, ValueError) as e:
         return fail(str(e))

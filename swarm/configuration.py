@@ -14,11 +14,11 @@ import inspect
 import re
 import typing
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "config_from_dict", "parse_role_config"]
+__all__ = ["ConfigError", "RoleArgs", "config_from_dict", "parse_role_args", "parse_role_config"]
 
 T = TypeVar("T")
 
@@ -139,10 +139,26 @@ def _set_path(data: Dict[str, Any], path: Sequence[str], value: Any) -> None:
     data[path[-1]] = value
 
 
-def parse_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, description: str) -> T:
-    """Parse ``--config FILE.yaml`` plus one flag per leaf field into ``cls``; exits with the reason on error."""
+@dataclasses.dataclass
+class RoleArgs:
+    """A role's command line before it becomes a config: what the user set, and any extra flags.
+
+    ``settings`` holds only what the user gave explicitly (the YAML file, then the flags over it),
+    nested like the dataclasses, so a caller can tell an explicit setting from a default."""
+
+    parser: argparse.ArgumentParser
+    settings: Dict[str, Any]
+    extras: argparse.Namespace
+
+
+def parse_role_args(cls: type, argv: Optional[Sequence[str]], prog: str, description: str,
+                    add_extras: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> RoleArgs:
+    """Parse ``--config FILE.yaml`` plus one flag per leaf field of ``cls`` (and the flags ``add_extras``
+    adds) into the explicit settings; exits with the reason if the file cannot be read."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", type=Path, default=None, help="a YAML file with the nested fields of this role")
+    if add_extras is not None:
+        add_extras(parser)
     dests = _add_arguments(parser, cls)
     args = parser.parse_args(argv)
     data: Dict[str, Any] = {}
@@ -157,7 +173,14 @@ def parse_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, de
         value = getattr(args, name)
         if value is not None:
             _set_path(data, path, yaml.safe_load(value) if not isinstance(value, list) else value)
+    extras = argparse.Namespace(**{key: value for key, value in vars(args).items() if key not in dests})
+    return RoleArgs(parser, data, extras)
+
+
+def parse_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, description: str) -> T:
+    """Parse ``--config FILE.yaml`` plus one flag per leaf field into ``cls``; exits with the reason on error."""
+    role = parse_role_args(cls, argv, prog, description)
     try:
-        return config_from_dict(cls, data)
+        return config_from_dict(cls, role.settings)
     except ConfigError as e:
-        parser.error(f"invalid configuration: {e}")
+        role.parser.error(f"invalid configuration: {e}")
