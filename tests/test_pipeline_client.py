@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from swarm.client.ledger import Contribution, Ledger
-from swarm.client.pipeline import PipelineClient, StageUnavailable
+from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
+from swarm.model import ModelConfig
 from swarm.policy.routing import Router
-from swarm.rpc import RemoteError
 
 
 def _client() -> PipelineClient:
-    return PipelineClient(None, 2, lambda: [], Router(seed=0), Ledger(),
+    return PipelineClient(None, 2, lambda: [], Router(seed=0), Ledger(), model=ModelConfig(hidden_size=8, num_heads=2),
                           forward_timeout_s=1.0, backward_timeout_s=1.0, max_retries=1)
 
 
@@ -28,7 +28,7 @@ def no_sleep(monkeypatch):
 
 
 async def test_lower_stage_backward_is_retried(no_sleep):
-    client, failures = _client(), [StageUnavailable("stage 0 empty"), RemoteError("mangled", "bad_request")]
+    client, failures = _client(), [StageUnavailable("stage 0 empty"), StageUnavailable("stage 0 moving")]
 
     async def flaky(item, resend=False):
         if failures:
@@ -51,3 +51,16 @@ async def test_lower_stage_backward_gives_up_after_its_rounds(no_sleep):
     with pytest.raises(StageUnavailable):
         await client._backward_persistently(_item(), rounds=3)
     assert calls == [0, 0, 0]
+
+
+async def test_lower_stage_backward_is_not_retried_when_refused(no_sleep):
+    client, calls = _client(), []
+
+    async def refused(item, resend=False):
+        calls.append(item.stage)
+        raise Unauthorized("not in the allowlist")
+
+    client.backward = refused
+    with pytest.raises(Unauthorized):
+        await client._backward_persistently(_item(), rounds=3)
+    assert calls == [0]

@@ -1,11 +1,12 @@
-"""Pure routing policy: throughput-proportional wiring, bans with backoff, clear errors."""
+"""Pure routing policy: throughput-proportional wiring, capped announcements, own measurements, bans with backoff."""
 
+import itertools
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from swarm.policy.routing import NoPeerAvailable, Router, routing_weights
+from swarm.policy.routing import NoPeerAvailable, Router, cap_announced, effective_throughputs, routing_weights
 from swarm.policy.snapshot import PeerInfo
 
 
@@ -114,3 +115,95 @@ def test_distribution_matches_choose():
     counts = Counter(router.choose(peers, 0.5).peer_id for _ in range(4000))
     assert abs(counts["p1"] / 4000 - dist["p1"]) < 0.03
     assert router.distribution([PeerInfo("x", 0, "leaving")], 0.0) == []
+
+
+def _shares(router, peers, now=0.0):
+    return {peer.peer_id: p for peer, p in router.distribution(peers, now)}
+
+
+def test_a_liar_gets_no_more_than_its_capped_share():
+    liar = PeerInfo("liar", 0, "online", 1e12)
+    # capped at 4x the lower median of what the stage announces: 4x1.0 in both cases
+    for honest, bound in ((_peers([1.0]), 4.0 / 5.0), (_peers([1.0, 1.2, 0.9]), 4.0 / 7.1)):
+        capped = _shares(Router(), honest + [liar])
+        assert capped["liar"] == pytest.approx(bound), capped
+        uncapped = _shares(Router(announced_cap=float("inf")), honest + [liar])
+        assert uncapped["liar"] > 0.999  # without the cap the liar attracts all the work
+
+
+def test_a_measured_slow_peer_gets_less_than_a_measured_fast_one_whatever_they_announce():
+    router = Router()
+    router.report_success("slow", samples=8, elapsed_s=0.8)  # 10 samples/s of wall time
+    router.report_success("fast", samples=8, elapsed_s=0.04)  # 200 samples/s
+    claims = (0.0, 0.5, 1.0, 100.0, 1e12)
+    for slow_claims, fast_claims in itertools.product(claims, claims):
+        peers = [PeerInfo("slow", 0, "online", slow_claims), PeerInfo("fast", 0, "online", fast_claims)]
+        shares = _shares(router, peers)
+        # an announcement moves a measured peer by at most 4x: at worst 200/4 against 10*4
+        assert shares["fast"] >= 50 / 90 - 1e-9, (slow_claims, fast_claims, shares)
+    counts = Counter(router.choose([PeerInfo("slow", 0, "online", 1e12), PeerInfo("fast", 0, "online", 0.5)],
+                                   0.0).peer_id for _ in range(2000))
+    assert counts["fast"] > counts["slow"]
+
+
+def test_honest_announcements_tell_apart_replicas_whose_calls_take_about_as_long():
+    # on loopback a call's wall time is mostly transfer: a replica 2.2x faster at compute answers only a bit sooner
+    router = Router()
+    router.report_success("fast", samples=8, elapsed_s=0.030)
+    router.report_success("slow", samples=8, elapsed_s=0.034)
+    router.report_success("liar", samples=8, elapsed_s=0.032)
+    honest = [PeerInfo("fast", 0, "online", 880.0), PeerInfo("slow", 0, "online", 400.0)]
+    shares = _shares(router, honest)
+    assert shares["fast"] / shares["slow"] == pytest.approx(2.2)
+    measured = [router.measured_throughput(p) for p in ("fast", "slow", "liar")]
+    weights = effective_throughputs([880.0, 400.0, 1e12], measured)
+    assert weights[2] == pytest.approx(4 * measured[2])  # the liar counts 4x what it measured, no more
+    assert weights[0] / weights[1] == pytest.approx(2.2)
+
+
+def test_an_unmeasured_peer_is_tried_but_never_above_a_multiple_of_the_best_measured():
+    router = Router()
+    router.report_success("a", samples=10, elapsed_s=0.1)  # measured 100/s while announcing 10/s
+    peers = [PeerInfo("a", 0, "online", 10.0), PeerInfo("new", 0, "online", 1e12), PeerInfo("quiet", 0, "online", 0.0)]
+    shares = _shares(router, peers)
+    assert shares["new"] == pytest.approx(2 * shares["a"])  # 4x10 announced -> 400 measured scale -> capped at 2x100
+    assert shares["quiet"] == pytest.approx(shares["a"])  # no hint at all: the mean measured value
+    np.testing.assert_allclose(effective_throughputs([10.0, 5.0, 0.0], [100.0, 0.0, 0.0]), [100.0, 50.0, 100.0])
+    # a measured replica keeps within 4x of its measurement whatever it announces
+    np.testing.assert_allclose(effective_throughputs([1.0, 1.0, 1e12], [10.0, 10.0, 10.0]), [10.0, 10.0, 40.0])
+    np.testing.assert_allclose(effective_throughputs([0.0, 5.0], [30.0, 0.0]), [30.0, 30.0])  # no ratio known
+    np.testing.assert_allclose(effective_throughputs([3.0, 1.0], [0.0, 0.0]), [3.0, 1.0])  # nothing measured
+    np.testing.assert_allclose(cap_announced([1.0, 2.0, 100.0, 0.0]), [1.0, 2.0, 8.0, 0.0])
+    with pytest.raises(ValueError, match="same length"):
+        effective_throughputs([1.0], [1.0, 2.0])
+
+
+def test_measurements_are_a_low_quantile_of_recent_wall_time_per_sample_and_are_forgotten_with_the_peer():
+    router = Router(measure_window=4, measure_quantile=0.25)
+    assert router.measured_throughput("a") == 0.0
+    router.report_success("a")  # old callers: no measurement, just a success
+    assert router.measured_throughput("a") == 0.0
+    for elapsed in (1.0, 1.0, 30.0, 1.0):  # one call waited out a global step: it does not count
+        router.report_success("a", 10, elapsed)
+    assert router.measured_throughput("a") == pytest.approx(10.0)
+    for _ in range(4):  # a replica that stays slow (requests queued at it) is measured slow within a window
+        router.report_success("a", 10, 5.0)
+    assert router.measured_throughput("a") == pytest.approx(2.0)
+    router.forget("a")
+    assert router.measured_throughput("a") == 0.0
+    for samples, elapsed in ((-1, 1.0), (1, float("nan")), (1, -2.0), (1.5, 1.0)):
+        with pytest.raises(ValueError):
+            router.report_success("a", samples, elapsed)
+    with pytest.raises(ValueError, match="announced_cap"):
+        Router(announced_cap=0.5)
+    with pytest.raises(ValueError, match="measure_window"):
+        Router(measure_window=0)
+
+
+def test_a_fixed_ban_sets_a_peer_aside_without_counting_a_failure():
+    router = Router(ban_base_s=1.0)
+    assert router.ban("busy", now=0.0, duration_s=0.25) == 0.25
+    assert router.is_banned("busy", 0.2) and not router.is_banned("busy", 0.25)
+    assert router.ban("busy", now=1.0) == 1.0  # its first real failure still starts the backoff at the base
+    with pytest.raises(ValueError, match="duration_s"):
+        router.ban("busy", 0.0, duration_s=-1.0)

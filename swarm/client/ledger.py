@@ -4,31 +4,50 @@ A backward pass accumulates a micro-batch's gradient into one replica's *pending
 step. If that replica dies, or its all-reduce round goes on without it, the gradient is gone
 and the samples would silently vanish from training. The trainer therefore keeps, for every
 (micro-batch, stage), what it needs to redo that backward pass (the stage input, the output
-gradient, the targets) until the stage confirms the step that applied it.
+gradient, the targets) until the step that applied it is confirmed.
 
-Confirmation comes from the DHT: each replica announces, for recent steps, which peers'
-gradients that step averaged (``PeerRecord.contributors``). For a contribution made to
-replica P in step s:
-- some live replica lists step s: committed if P is among its contributors, re-sent if not;
-- P is gone (its record has been missing for a grace period, so that one failed or partial
-  DHT read does not look like a death) or is leaving, and nobody lists step s: re-sent (P can no
-  longer take part in averaging step s; a leaving peer announces 'leaving' only after its last
-  round, so it cannot be mid-round);
-- otherwise: wait.
+Only the replica that acknowledged a contribution (P, which said it went into its step s) is
+asked about it, and only what P itself says about s counts first (:func:`decide`):
+- P's record says whether its own gradients went into its applied step s
+  (``contributed_to(s)``): True -> committed; False -> re-sent (P applied s without them);
+- P is gone (its record missing for a grace period, so that one failed or partial DHT read
+  does not look like a death), leaving, or moved to another stage, and never said: the stage's
+  live replicas are asked which peers step s averaged (RPC ``step_members``); a strict majority
+  of those that know s decides; if none knows s yet the trainer waits, and once P has been
+  gone long enough with nobody knowing s, P died before its step closed: re-sent.
 A re-sent contribution goes to any live replica of the stage, which adds it to its current
-step; replicas ignore a micro-batch id already in their current or frozen step. Pure: no I/O.
+step; replicas ignore a micro-batch id already in their current or frozen step.
+Pure: no I/O; the trainer reads the records and asks the replicas.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Collection, Dict, Iterable, List, Mapping, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Mapping, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
-from swarm.records import PeerRecord
+__all__ = ["Contribution", "Ledger", "LedgerPolicy", "ReplicaRecord", "Resolution", "StepKey", "decide",
+           "parse_step_members", "VERDICTS"]
 
-__all__ = ["Contribution", "Ledger"]
+VERDICTS = ("commit", "resend", "wait", "ask")
+MAX_MEMBERS = 4096  # peer ids one step_members reply may list
+MAX_PEER_ID_CHARS = 128
+StepKey = Tuple[int, int]  # (stage, step)
+
+
+class ReplicaRecord(Protocol):
+    """What the ledger reads of a replica's DHT record (:class:`swarm.records.PeerRecord`)."""
+
+    peer_id: str
+    stage: int
+    state: str  # "joining" | "online" | "leaving"
+    step: int  # global steps applied to its parameters
+    accum_step: int  # the step its backward passes accumulate into now
+    samples_frozen: int  # samples of the previous step, being averaged now
+
+    def contributed_to(self, step: int) -> Optional[bool]:
+        """Whether its own gradients went into its applied step ``step``; None if it cannot tell."""
 
 
 @dataclass
@@ -45,10 +64,80 @@ class Contribution:
     targets: Optional[torch.Tensor] = None
 
 
+@dataclass(frozen=True)
+class LedgerPolicy:
+    """How long to trust a silent replica."""
+
+    peer_grace_s: float = 5.0  # seconds a replica's record must be missing before the replica counts as gone
+    lost_after_s: float = 20.0  # seconds a gone replica may stay unaccounted for (nobody knows its step) before its work is re-sent
+
+    def __post_init__(self) -> None:
+        if not 0 < self.peer_grace_s <= self.lost_after_s:
+            raise ValueError(f"need 0 < peer_grace_s <= lost_after_s, got {self.peer_grace_s} and {self.lost_after_s}")
+
+
+@dataclass
+class Resolution:
+    """What :meth:`Ledger.resolve` found: contributions to re-send, and steps whose members to ask for."""
+
+    resend: List[Contribution] = field(default_factory=list)
+    ask: Set[StepKey] = field(default_factory=set)
+
+
+def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, answers: Optional[Sequence[Optional[bool]]],
+           policy: LedgerPolicy = LedgerPolicy()) -> str:
+    """One of :data:`VERDICTS` for ``item``, accumulated into step ``item.step`` of replica ``item.peer_id``.
+
+    ``holder``: that replica's record in the current snapshot, or None if it is missing from it.
+    ``lost_s``: seconds since the trainer last saw it online at ``item.stage``.
+    ``answers``: None if the stage's live replicas were not asked about the step yet; else one per
+    replica that answered: True (the step's members include the holder), False (they do not),
+    None (that replica does not know the step)."""
+    serving = holder is not None and holder.stage == item.stage
+    if serving:
+        included = holder.contributed_to(item.step)
+        if included is not None:
+            return "commit" if included else "resend"
+        if holder.state == "online" and holder.step <= item.step:
+            return "wait"  # its step item.step is not applied yet
+    elif holder is None and lost_s < policy.peer_grace_s:
+        return "wait"  # a record that lapsed for a moment is not a death
+    # the holder is gone, leaving, moved, or applied the step beyond the window its record covers
+    if answers is None:
+        return "ask"
+    known = [answer for answer in answers if answer is not None]
+    listed = sum(known)
+    if 2 * listed > len(known):
+        return "commit"
+    if 2 * (len(known) - listed) > len(known):
+        return "resend"
+    if known:
+        return "wait"  # the replicas that know the step disagree evenly: ask again later
+    if serving and holder.state == "online":
+        return "commit"  # it applied the step long ago and is still online: its own gradients were in it
+    return "resend" if lost_s >= policy.lost_after_s else "wait"
+
+
+def parse_step_members(reply: Mapping[str, object], step: int) -> FrozenSet[str]:
+    """The peer ids a ``step_members`` reply lists for ``step``; ``ValueError`` says what is wrong with it."""
+    if not isinstance(reply, Mapping):
+        raise ValueError(f"the reply is a {type(reply).__name__}, not a map")
+    answered = reply.get("step")
+    if isinstance(answered, bool) or answered != step:
+        raise ValueError(f"the reply is about step {answered!r}, not {step}")
+    members = reply.get("members")
+    if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+        raise ValueError(f"'members' must be a list of at most {MAX_MEMBERS} peer ids")
+    if not all(isinstance(m, str) and 0 < len(m) <= MAX_PEER_ID_CHARS for m in members):
+        raise ValueError(f"'members' must hold peer ids: strings of 1-{MAX_PEER_ID_CHARS} characters")
+    return frozenset(members)
+
+
 class Ledger:
     """Contributions not yet confirmed by a completed global step."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: LedgerPolicy = LedgerPolicy()) -> None:
+        self.policy = policy
         self._open: Dict[Tuple[str, int], Contribution] = {}
         self.samples_committed: Dict[int, int] = {}
         self.num_resent = 0
@@ -59,34 +148,34 @@ class Ledger:
     def add(self, contribution: Contribution) -> None:
         self._open[(contribution.micro_batch_id, contribution.stage)] = contribution
 
-    def open_contributions(self) -> List[Contribution]:
-        return list(self._open.values())
+    def holders(self) -> Set[Tuple[str, int]]:
+        """(peer id, stage) of every replica holding an open contribution."""
+        return {(item.peer_id, item.stage) for item in self._open.values()}
 
-    def resolve(self, records: Mapping[str, PeerRecord], gone: Collection[str]) -> List[Contribution]:
-        """Commit what the DHT confirms; return (and keep open) the contributions to re-send.
+    def resolve(self, records: Mapping[str, ReplicaRecord], lost_s: Mapping[Tuple[str, int], float],
+                members: Mapping[StepKey, Mapping[str, Optional[FrozenSet[str]]]]) -> Resolution:
+        """Commit what is confirmed; return (and keep open) what to re-send, and which steps to ask about.
 
-        ``gone``: peers whose records have been missing long enough to call them dead; a holder
-        merely absent from this one snapshot is waited for."""
-        steps_seen = _contributors_by_stage_and_step(records.values())
-        to_resend = []
+        ``records``: peer id -> record of the current snapshot. ``lost_s``: (peer id, stage) ->
+        seconds since that replica was last seen online at that stage (absent = 0). ``members``:
+        (stage, step) -> {replica asked: the members it reported for that step, or None if it did not
+        know the step}; a step missing here was not asked about yet."""
+        resolution = Resolution()
         for key, item in list(self._open.items()):
-            members = steps_seen.get((item.stage, item.step))
-            if members is not None:
-                if item.peer_id in members:
-                    del self._open[key]
-                    self.samples_committed[item.stage] = self.samples_committed.get(item.stage, 0) + item.samples
-                else:
-                    to_resend.append(item)
-                continue
-            holder = records.get(item.peer_id)
-            if holder is None:
-                if item.peer_id in gone:
-                    to_resend.append(item)
-            elif holder.state == "leaving" or holder.stage != item.stage:
-                to_resend.append(item)
-        return to_resend
+            answers = members.get((item.stage, item.step))
+            votes = None if answers is None else [None if m is None else item.peer_id in m for m in answers.values()]
+            verdict = decide(item, records.get(item.peer_id), lost_s.get((item.peer_id, item.stage), 0.0), votes,
+                             self.policy)
+            if verdict == "commit":
+                del self._open[key]
+                self.samples_committed[item.stage] = self.samples_committed.get(item.stage, 0) + item.samples
+            elif verdict == "resend":
+                resolution.resend.append(item)
+            elif verdict == "ask":
+                resolution.ask.add((item.stage, item.step))
+        return resolution
 
-    def all_held(self, records: Mapping[str, PeerRecord]) -> bool:
+    def all_held(self, records: Mapping[str, ReplicaRecord]) -> bool:
         """Whether every open contribution sits in a live replica's current or frozen step."""
         return all(_held(item, records.get(item.peer_id)) for item in self._open.values())
 
@@ -97,16 +186,7 @@ class Ledger:
         self.add(old)
 
 
-def _contributors_by_stage_and_step(records: Iterable[PeerRecord]) -> Dict[Tuple[int, int], set]:
-    seen: Dict[Tuple[int, int], set] = {}
-    for record in records:
-        for step, members in record.contributors.items():
-            seen.setdefault((record.stage, int(step)), set()).update(members)
-    return seen
-
-
-
-def _held(item: Contribution, record: Optional[PeerRecord]) -> bool:
+def _held(item: Contribution, record: Optional[ReplicaRecord]) -> bool:
     if record is None or record.state != "online" or record.stage != item.stage:
         return False
     return item.step == record.accum_step or (record.samples_frozen > 0 and item.step == record.accum_step - 1)

@@ -5,75 +5,223 @@ replica of stage k+1 chosen by throughput-weighted stochastic wiring, and keeps 
 input so that any replica can run that stage's backward (stateless, with recomputation).
 Each call has a timeout; a failed or slow replica is banned with backoff and the call is
 retried on another replica of the same stage, a bounded number of times.
+
+Every reply is checked (:func:`check_reply`) the moment it arrives, before anything uses it: a
+replica that sends a malformed, wrongly shaped or non-finite reply is banned and the call goes
+to another replica, so a bad output of stage k is blamed on stage k's replica, never on the
+replica of stage k+1 that would have received it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_logger
 
 from swarm.client.ledger import Contribution, Ledger
+from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.rpc import RemoteError, call_peer
 
-__all__ = ["PipelineClient", "StageUnavailable"]
+__all__ = ["PipelineClient", "StageUnavailable", "Unauthorized", "BadReply", "FailureVerdict", "check_reply",
+           "judge_failure", "HIDDEN_DTYPE"]
 
 logger = get_logger(__name__)
+HIDDEN_DTYPE = torch.float32  # swarm.model builds every stage in torch's default dtype: hidden states are float32
+REPLY_SLACK_BYTES = 2**20  # bytes a reply may take beyond its tensors (keys, a loss, a step, an error message)
 
 
 class StageUnavailable(RuntimeError):
     """No replica of a stage completed a call within the allowed retries."""
 
 
+class Unauthorized(RuntimeError):
+    """A replica refused this trainer: it is not allowed to take part in the run."""
+
+
+class BadReply(RuntimeError):
+    """A replica answered, but with a reply that fails :func:`check_reply`."""
+
+    def __init__(self, peer_id: str, stage: int, reason: str):
+        super().__init__(f"peer {peer_id} of stage {stage} sent a bad reply: {reason}")
+        self.peer_id, self.stage, self.reason = peer_id, stage, reason
+
+
+# ---- checking replies (pure) ----
+
+def check_reply(reply: Any, *, stage: int, num_stages: int, method: str, inputs: Any,
+                hidden_size: int) -> Optional[str]:
+    """Why ``reply`` to ``method`` on ``stage`` (called with ``inputs``) cannot be used, or None if it can.
+
+    Forward below the last stage: finite ``outputs`` of shape (batch, seq_len, hidden_size) in
+    :data:`HIDDEN_DTYPE`. Forward of the last stage (evaluation): a finite ``loss``. Backward: a
+    ``step``; on the last stage also a ``loss``; above stage 0 also finite ``grad_inputs`` of the
+    inputs' shape and dtype."""
+    if not isinstance(reply, Mapping):
+        return f"the reply is a {type(reply).__name__}, not a map"
+    last = stage == num_stages - 1
+    if method == "forward":
+        if last:
+            return _check_loss(reply)
+        expected = (*tuple(inputs.shape[:2]), hidden_size)
+        return _check_tensor(reply, "outputs", expected, HIDDEN_DTYPE)
+    if method == "backward":
+        reasons = [_check_step(reply)]
+        if last:
+            reasons.append(_check_loss(reply))
+        if stage > 0:
+            reasons.append(_check_tensor(reply, "grad_inputs", tuple(inputs.shape), inputs.dtype))
+        return next((reason for reason in reasons if reason is not None), None)
+    return None
+
+
+def _check_tensor(reply: Mapping, key: str, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[str]:
+    value = reply.get(key)
+    if not isinstance(value, torch.Tensor):
+        return f"{key!r} is missing" if value is None else f"{key!r} is a {type(value).__name__}, not a tensor"
+    if value.dtype != dtype:
+        return f"{key!r} has dtype {value.dtype}, expected {dtype}"
+    if tuple(value.shape) != tuple(shape):
+        return f"{key!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+    if not bool(torch.isfinite(value).all()):
+        return f"{key!r} contains NaN or inf values"
+    return None
+
+
+def _check_loss(reply: Mapping) -> Optional[str]:
+    loss = reply.get("loss")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        return "'loss' is missing" if loss is None else f"'loss' is a {type(loss).__name__}, not a number"
+    if not math.isfinite(loss) or loss < 0:  # the objective is a mean cross-entropy: finite and >= 0
+        return f"'loss' is {loss!r}, not a finite non-negative number"
+    return None
+
+
+def _check_step(reply: Mapping) -> Optional[str]:
+    step = reply.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return "'step' is missing" if step is None else f"'step' is {step!r}, not a non-negative integer"
+    return None
+
+
+# ---- what a failed call means (pure) ----
+
+@dataclass(frozen=True)
+class FailureVerdict:
+    """What to do with the replica after a failed call: ``action`` is 'ban' (with backoff), 'pause'
+    (set aside briefly, not counted as a failure) or 'refuse' (fail the call: retrying cannot help)."""
+
+    action: str
+    reason: str
+    stale_snapshot: bool = False  # the replica serves another stage: re-read the swarm
+
+
+def judge_failure(error: BaseException) -> FailureVerdict:
+    """Decide how a failed call reflects on the replica that was called.
+
+    A 'bad_request' for a request built from validated replies means the transfer or that replica
+    is at fault, so it is banned and the call goes elsewhere like any other failure; the retry
+    bound still ends a request that every replica refuses."""
+    if isinstance(error, BadReply):
+        return FailureVerdict("ban", f"bad reply: {error.reason}")
+    if isinstance(error, RemoteError):
+        reason = f"{error.kind}: {error}"
+        if error.kind == "unauthorized":
+            return FailureVerdict("refuse", reason)
+        if error.kind == "busy":
+            return FailureVerdict("pause", reason)
+        return FailureVerdict("ban", reason, stale_snapshot=error.kind == "wrong_stage")
+    if isinstance(error, asyncio.TimeoutError):
+        return FailureVerdict("ban", "timed out")
+    return FailureVerdict("ban", f"{type(error).__name__}: {error}")
+
+
 class PipelineClient:
-    """Routes calls to stage replicas; ``snapshot()`` returns the current peers (refreshed elsewhere)."""
+    """Routes calls to stage replicas; ``snapshot()`` returns the current peers (refreshed elsewhere).
+
+    Runs in the trainer's event loop; ``model`` gives the hidden size that replies are checked against."""
 
     def __init__(self, p2p: P2P, num_stages: int, snapshot: Callable[[], Sequence[PeerInfo]], router: Router,
-                 ledger: Ledger, *, forward_timeout_s: float, backward_timeout_s: float, max_retries: int,
-                 on_stale_snapshot: Optional[Callable[[], None]] = None):
+                 ledger: Ledger, *, model: ModelConfig, forward_timeout_s: float, backward_timeout_s: float,
+                 max_retries: int, on_stale_snapshot: Optional[Callable[[], None]] = None, busy_pause_s: float = 0.5):
         self.p2p, self.num_stages, self.snapshot, self.router, self.ledger = p2p, num_stages, snapshot, router, ledger
+        self.model = model
         self.forward_timeout_s, self.backward_timeout_s, self.max_retries = forward_timeout_s, backward_timeout_s, max_retries
         self.on_stale_snapshot = on_stale_snapshot or (lambda: None)
-        self.num_failed_calls = 0
+        self.busy_pause_s = busy_pause_s
 
     async def call_stage(self, stage: int, method: str, message: Dict[str, Any], timeout: float) -> Tuple[Dict[str, Any], str]:
-        """Call ``method`` on some replica of ``stage``; returns (reply, peer id)."""
+        """Call ``method`` on some replica of ``stage``; returns a checked reply and the replica's peer id."""
         tried: List[str] = []
-        last_error = "no attempt made"
+        errors: List[str] = []  # one per failed call, first (usually the most telling) first
+        no_peer: Optional[str] = None
         for attempt in range(self.max_retries):
             candidates = [p for p in self.snapshot() if p.stage == stage]
             exclude = tried if len(set(tried)) < len(candidates) else ()
             try:
                 peer = self.router.choose(candidates, time.monotonic(), exclude=exclude)
             except NoPeerAvailable as e:
-                last_error = str(e)
+                no_peer = str(e)
                 self.on_stale_snapshot()
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
                 continue
+            started = time.monotonic()
             try:
                 reply = await call_peer(self.p2p, PeerID.from_base58(peer.peer_id), method, {**message, "stage": stage},
-                                        timeout=timeout)
-                self.router.report_success(peer.peer_id)
-                return reply, peer.peer_id
-            except RemoteError as e:
-                if e.kind == "bad_request":
-                    raise
-                last_error = f"{peer.peer_id}: {e}"
-                if e.kind == "wrong_stage":
-                    self.on_stale_snapshot()
-            except Exception as e:  # timeouts, dead peers, broken streams
-                last_error = f"{peer.peer_id}: {type(e).__name__}: {e}"
-            self.num_failed_calls += 1
-            self.router.ban(peer.peer_id, time.monotonic())
-            tried.append(peer.peer_id)
-            logger.debug(f"stage {stage} {method} attempt {attempt + 1} failed: {last_error}")
-        raise StageUnavailable(f"stage {stage}: {method} failed after {self.max_retries} attempts; last error: {last_error}")
+                                        timeout=timeout, max_reply_bytes=self._reply_limit(message))
+                self._check(peer.peer_id, stage, method, message, reply)
+            except Exception as e:  # timeouts, dead peers, broken streams, error replies, bad replies
+                errors.append(self._on_failure(peer.peer_id, stage, method, e, first=not errors))
+                tried.append(peer.peer_id)
+                continue
+            self.router.report_success(peer.peer_id, _samples(message), time.monotonic() - started)
+            return reply, peer.peer_id
+        raise StageUnavailable(_summary(stage, method, self.max_retries, errors, no_peer))
+
+    def _reply_limit(self, message: Mapping[str, Any]) -> int:
+        """Bytes a reply may take: twice the largest tensor a valid reply holds (the stage's inputs or
+        hidden states of the same batch), plus room for the envelope, so that no replica can make this
+        trainer buffer a reply far larger than any valid one."""
+        inputs = message.get("inputs")
+        if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
+            return REPLY_SLACK_BYTES
+        hidden = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.hidden_size * HIDDEN_DTYPE.itemsize
+        return 2 * max(hidden, inputs.numel() * inputs.element_size()) + REPLY_SLACK_BYTES
+
+    def _check(self, peer_id: str, stage: int, method: str, message: Mapping[str, Any], reply: Any) -> None:
+        reason = check_reply(reply, stage=stage, num_stages=self.num_stages, method=method,
+                             inputs=message.get("inputs"), hidden_size=self.model.hidden_size)
+        if reason is not None:
+            raise BadReply(peer_id, stage, reason)
+
+    def _on_failure(self, peer_id: str, stage: int, method: str, error: Exception, first: bool) -> str:
+        """Act on :func:`judge_failure`'s verdict; returns the failure's description."""
+        verdict = judge_failure(error)
+        now = time.monotonic()
+        if verdict.action == "pause":
+            self.router.ban(peer_id, now, duration_s=self.busy_pause_s)
+        else:
+            self.router.ban(peer_id, now)
+        if verdict.stale_snapshot:
+            self.on_stale_snapshot()
+        description = f"{peer_id}: {verdict.reason}"
+        if isinstance(error, BadReply):
+            logger.warning(f"banning peer {peer_id} of stage {stage}: {error.reason}")
+        elif first:
+            logger.warning(f"stage {stage} {method} failed on {description}; trying another replica")
+        else:
+            logger.info(f"stage {stage} {method} failed again on {description}")
+        if verdict.action == "refuse":
+            raise Unauthorized(f"stage {stage} refused this trainer ({description}): this trainer is not allowed "
+                               f"in the run; check its identity and the run's allowlist") from error
+        return description
 
     async def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward only, through all stages; the last stage returns the loss."""
@@ -90,7 +238,7 @@ class PipelineClient:
         stage_inputs = [inputs]
         for stage in range(self.num_stages - 1):
             reply, _ = await self.call_stage(stage, "forward", {"inputs": stage_inputs[-1]}, self.forward_timeout_s)
-            stage_inputs.append(_tensor(reply, "outputs", stage))
+            stage_inputs.append(reply["outputs"])
         last = self.num_stages - 1
         item = Contribution(micro_batch_id, last, "", 0, int(inputs.shape[0]), stage_inputs[last], None, targets)
         reply = await self.backward(item)
@@ -108,8 +256,7 @@ class PipelineClient:
         for attempt in range(rounds - 1):
             try:
                 return await self.backward(item)
-            except (StageUnavailable, RemoteError) as e:
-                # our own, well-formed request: a 'bad_request' here means a mangled transfer
+            except StageUnavailable as e:
                 logger.warning(f"backward of {item.micro_batch_id} at stage {item.stage} failed, retrying: {e}")
                 await asyncio.sleep(min(2.0 * 2**attempt, 10.0))
         return await self.backward(item)
@@ -122,23 +269,26 @@ class PipelineClient:
         if item.targets is not None:
             message["targets"] = item.targets
         reply, peer_id = await self.call_stage(item.stage, "backward", message, self.backward_timeout_s)
-        step = reply.get("step")
-        if not isinstance(step, int) or step < 0:
-            raise RemoteError(f"stage {item.stage} replied to backward without a valid step", "internal")
-        if item.stage > 0:
-            _tensor(reply, "grad_inputs", item.stage)
         if resend:
-            self.ledger.resent(item, peer_id, step)
+            self.ledger.resent(item, peer_id, reply["step"])
         else:
-            item.peer_id, item.step = peer_id, step
+            item.peer_id, item.step = peer_id, reply["step"]
             self.ledger.add(item)
         return reply
 
 
-def _tensor(reply: Dict[str, Any], key: str, stage: int) -> torch.Tensor:
-    value = reply.get(key)
-    if not isinstance(value, torch.Tensor):
-        raise RemoteError(f"stage {stage} replied without {key}", "internal")
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise RemoteError(f"stage {stage} replied with non-finite {key}", "internal")
-    return value
+def _samples(message: Mapping[str, Any]) -> int:
+    inputs = message.get("inputs")
+    return int(inputs.shape[0]) if isinstance(inputs, torch.Tensor) and inputs.ndim >= 1 else 0
+
+
+def _summary(stage: int, method: str, attempts: int, errors: Sequence[str], no_peer: Optional[str]) -> str:
+    """Why a call failed, leading with the first real error: "no peer available" is what remains once
+    every replica was banned for failing, so it only explains a call where no replica was reached."""
+    where = f"stage {stage}: {method} failed after {attempts} attempts"
+    if not errors:
+        return f"{where}: {no_peer or 'no attempt made'}"
+    text = f"{where}; first error: {errors[0]}"
+    if len(errors) > 1 and errors[-1] != errors[0]:
+        text += f"; last error: {errors[-1]}"
+    return text + (f" ({len(errors)} calls failed)" if len(errors) > 1 else "")

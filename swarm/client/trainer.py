@@ -2,7 +2,10 @@
 
 Runs in one asyncio loop: ``max_in_flight`` workers each push micro-batches through
 :class:`PipelineClient`; a refresher reads the swarm's records from the DHT every
-``refresh_period_s``, feeds the router, and re-sends contributions the ledger says were lost.
+``refresh_period_s``, feeds the router, and settles the ledger: it re-sends contributions that
+were lost and, in the background, asks a stage's replicas which peers a step averaged when the
+replica that took a contribution can no longer say. No reply, and no failure of one
+micro-batch, ends the trainer: a worker logs the failure and goes on with the next one.
 """
 
 from __future__ import annotations
@@ -10,29 +13,35 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 from hivemind import DHT
+from hivemind.p2p import PeerID
 from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
-from swarm.client.ledger import Ledger
-from swarm.client.pipeline import PipelineClient, StageUnavailable
+from swarm.agreement import RunFilter, check_run_agreement
+from swarm.client.ledger import Contribution, Ledger, LedgerPolicy, StepKey, parse_step_members
+from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
 from swarm.config import TrainerConfig
 from swarm.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
-from swarm.dht_io import fetch_records, store_record
+from swarm.dht import start_run_dht
+from swarm.dht_io import fetch_stage_records, store_record
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
-from swarm.records import PeerRecord, TrainerRecord, peers_key, to_peer_infos, trainers_key
-from swarm.rpc import RemoteError
-from swarm.dht import start_dht
+from swarm.records import PeerRecord, TrainerRecord, to_peer_infos, trainers_key
+from swarm.rpc import RemoteError, call_peer
 
 __all__ = ["Trainer", "TrainerMetrics", "load_trainer_corpus"]
 
 logger = get_logger(__name__)
+LOST_AFTER_GRACES = 4  # a gone replica whose step nobody knows is taken as lost after this many peer_grace_s
+MEMBERS_TIMEOUT_S = 5.0  # seconds one step_members call may take
+_NO_ANSWER = object()  # a replica that did not answer step_members (as opposed to "unknown step": None)
 
 
 def load_trainer_corpus(config: TrainerConfig) -> Corpus:
@@ -79,14 +88,20 @@ class Trainer:
         self.config, self.run = config, config.run
         self.dht, self.corpus = dht, corpus
         self.metrics = TrainerMetrics()
-        self.ledger = Ledger()
+        self._same_run = RunFilter(self.run)
+        self.ledger = Ledger(LedgerPolicy(config.peer_grace_s, LOST_AFTER_GRACES * config.peer_grace_s))
         self.records: Dict[str, PeerRecord] = {}
         self._snapshot: Tuple[PeerInfo, ...] = ()
         self._refresh_now = asyncio.Event()
-        self._resending: set = set()
-        self._last_seen: Dict[str, float] = {}  # peer id -> when a DHT read last showed its record
+        self._resending: Set[Tuple[str, int]] = set()
+        self._asking: Set[StepKey] = set()
+        # (peer id, stage) -> when a DHT read last showed that peer online at that stage
+        self._last_serving: Dict[Tuple[str, int], float] = {}
+        # (stage, step) -> (when asked, {replica: the step's members, or None if it did not know the step})
+        self._members: Dict[StepKey, Tuple[float, Dict[str, Optional[FrozenSet[str]]]]] = {}
         self._tasks: List[asyncio.Task] = []
-        self._ids = itertools.count()
+        # a random start, so that a restarted trainer with the same identity never reuses a micro-batch id
+        self._ids = itertools.count(secrets.randbits(64))
 
     @property
     def trainer_id(self) -> str:
@@ -94,40 +109,63 @@ class Trainer:
 
     async def start(self) -> None:
         if self.dht is None:
-            self.dht = start_dht(self.config.network, client_mode=False)
+            self.dht = start_run_dht(self.config.network, self.run)
         if self.corpus is None:
             self.corpus = await asyncio.get_running_loop().run_in_executor(None, load_trainer_corpus, self.config)
         self.sampler = BatchSampler(self.corpus.train, self.run.model.seq_len, self.config.batch_size,
                                     seed=self.config.trainer_seed)
         p2p = await self.dht.replicate_p2p()
+        await check_run_agreement(p2p, await self._fetch_records(strict=False), self.run)
         self.client = PipelineClient(
             p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed), self.ledger,
-            forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
+            model=self.run.model, forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
             max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set)
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
 
     async def refresh(self) -> None:
-        """Read the swarm's peers from the DHT; queue re-sends of contributions that were lost.
+        """Read the swarm's peers from the DHT and settle the ledger with what they say.
 
         A failed read keeps the previous snapshot; a peer counts as gone only once it has been
         missing from every read for ``peer_grace_s`` (a live peer's record can lapse for a moment)."""
         try:
-            self.records = await fetch_records(self.dht, peers_key(self.run.run_id), PeerRecord,
-                                               timeout=self.config.refresh_period_s * 5, strict=True)
+            self.records = await self._fetch_records(strict=True)
         except LookupError:
             return
-        now = time.monotonic()
-        self._last_seen.update({peer_id: now for peer_id in self.records})
-        gone = {peer_id for peer_id, seen in self._last_seen.items() if now - seen > self.config.peer_grace_s}
         self._snapshot = to_peer_infos(self.records, self.run.num_stages)
-        for item in self.ledger.resolve(self.records, gone):
+        self._settle(time.monotonic())
+
+    async def _fetch_records(self, strict: bool) -> Dict[str, PeerRecord]:
+        """The run's peer records; peers that announce other run settings are left out."""
+        records = await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages,
+                                            timeout=self.config.refresh_period_s * 5, strict=strict)
+        return self._same_run(records)
+
+    def _settle(self, now: float) -> None:
+        """Commit what the records confirm; start re-sends and step_members questions (never awaited here)."""
+        for record in self.records.values():
+            if record.state == "online":
+                self._last_serving[(record.peer_id, record.stage)] = now
+        holders = self.ledger.holders()
+        for key in holders:
+            self._last_serving.setdefault(key, now)  # a holder never seen online is timed from now
+        present = {(record.peer_id, record.stage) for record in self.records.values()}
+        self._last_serving = {key: seen for key, seen in self._last_serving.items() if key in holders or key in present}
+        # answers expire: a step nobody knew may be known now, and a replica may have changed its mind
+        self._members = {key: entry for key, entry in self._members.items()
+                         if now - entry[0] < self.config.peer_grace_s}
+        resolution = self.ledger.resolve(self.records, {key: now - seen for key, seen in self._last_serving.items()},
+                                         {key: answers for key, (_, answers) in self._members.items()})
+        for item in resolution.resend:
             key = (item.micro_batch_id, item.stage)
             if key not in self._resending:
                 self._resending.add(key)
                 asyncio.create_task(self._resend(item, key))
+        for key in resolution.ask - self._asking:
+            self._asking.add(key)
+            asyncio.create_task(self._ask_members(key))
 
-    async def _resend(self, item, key) -> None:
+    async def _resend(self, item: Contribution, key: Tuple[str, int]) -> None:
         try:
             await self.client.backward(item, resend=True)
             logger.info(f"re-sent {item.micro_batch_id} ({item.samples} samples) to stage {item.stage}")
@@ -135,6 +173,34 @@ class Trainer:
             logger.warning(f"re-sending {item.micro_batch_id} to stage {item.stage} failed, will retry: {e}")
         finally:
             self._resending.discard(key)
+
+    async def _ask_members(self, key: StepKey) -> None:
+        """Ask every online replica of the stage which peers step ``key[1]`` averaged."""
+        stage, step = key
+        replicas = sorted(r.peer_id for r in self.records.values() if r.stage == stage and r.state == "online")
+        try:
+            results = await asyncio.gather(*(self._step_members(peer_id, stage, step) for peer_id in replicas))
+            self._members[key] = (time.monotonic(),
+                                  {peer_id: result for peer_id, result in zip(replicas, results) if result is not _NO_ANSWER})
+            self._refresh_now.set()
+        finally:
+            self._asking.discard(key)
+
+    async def _step_members(self, peer_id: str, stage: int, step: int):
+        """The members one replica reports for the step, None if it does not know the step, or ``_NO_ANSWER``."""
+        try:
+            reply = await call_peer(self.client.p2p, PeerID.from_base58(peer_id), "step_members",
+                                    {"stage": stage, "step": step}, timeout=MEMBERS_TIMEOUT_S)
+            return parse_step_members(reply, step)
+        except RemoteError as e:
+            if e.kind == "bad_request":  # "unknown step": it never applied it, or forgot it
+                return None
+            logger.info(f"step_members of stage {stage} step {step} from {peer_id} failed: {e.kind}: {e}")
+        except ValueError as e:
+            logger.warning(f"ignoring step_members reply of {peer_id} for stage {stage} step {step}: {e}")
+        except Exception as e:  # timeouts, dead peers
+            logger.info(f"step_members of stage {stage} step {step} from {peer_id} failed: {type(e).__name__}: {e}")
+        return _NO_ANSWER
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -171,6 +237,9 @@ class Trainer:
             await asyncio.sleep(0.05)
 
     async def _worker(self, deadline: float) -> None:
+        """Push micro-batches until done; a micro-batch that fails for any reason is logged, counted and
+        given up (its samples are drawn again later), and the worker backs off a little and goes on."""
+        consecutive_failures = 0
         while not self._done(deadline):
             await self._wait_for_commits(deadline)
             batch = self.config.batch_size
@@ -182,12 +251,16 @@ class Trainer:
             micro_batch_id = f"{self.trainer_id}:{next(self._ids)}"
             try:
                 loss = await self.client.train_step(micro_batch_id, inputs, targets)
-                self.metrics.record(batch, loss)
-            except (StageUnavailable, RemoteError) as e:
+            except Exception as e:  # never asyncio.CancelledError: that is a BaseException
                 self._reserved -= batch
                 self.metrics.micro_batches_failed += 1
-                logger.warning(f"micro-batch {micro_batch_id} failed: {e}")
-                await asyncio.sleep(1.0)
+                consecutive_failures += 1
+                expected = isinstance(e, (StageUnavailable, Unauthorized))  # anything else is a bug: show where
+                logger.warning(f"micro-batch {micro_batch_id} failed: {type(e).__name__}: {e}", exc_info=not expected)
+                await asyncio.sleep(min(0.5 * 2 ** min(consecutive_failures - 1, 4), 5.0))
+                continue
+            consecutive_failures = 0
+            self.metrics.record(batch, loss)
 
     async def _report_loop(self, on_progress: Optional[Callable[["Trainer"], None]]) -> None:
         while True:
@@ -202,7 +275,7 @@ class Trainer:
             version=PROTOCOL_VERSION, trainer_id=self.trainer_id, samples_sent=self.metrics.samples_sent,
             loss=loss if loss is not None and math.isfinite(loss) else None, samples_per_s=self.metrics.samples_per_s,
             tokens_per_s=self.metrics.samples_per_s * self.run.model.seq_len)
-        await store_record(self.dht, trainers_key(self.run.run_id), self.trainer_id, record,
+        await store_record(self.dht, trainers_key(self.run.run_id), record,
                            expiration_s=max(30.0, 3 * self.config.log_period_s))
 
     async def evaluate(self, num_batches: int = 4, batch_size: int = 16) -> float:

@@ -1,9 +1,17 @@
 """Which replica of a stage a trainer sends its next micro-batch to.
 
 SWARM's "stochastic wiring": each replica is chosen with probability proportional to its
-measured throughput, so over time every replica receives a share of the work matching what
-it can do, and no global scheduler is needed. Replicas that fail are banned for a while,
-with exponential backoff so that a flapping peer costs less and less.
+throughput, so over time every replica receives a share of the work matching what it can do,
+and no global scheduler is needed. Replicas that fail are banned for a while, with exponential
+backoff so that a flapping peer costs less and less.
+
+A replica's announced throughput is only a hint: anyone can announce anything. So announced
+values are capped (:func:`cap_announced`), and once a trainer has timed a replica's calls it
+routes by its own measurement (:func:`effective_throughputs`), which the replica's announcement
+can move by a bounded factor only. A call's wall time includes the network and the queue at a
+busy replica, which is exactly what a trainer waits for; but where transfers dominate (small
+models, loopback) wall times hardly tell replicas apart, while an honest announcement of the
+replica's own compute does: hence the bounded say.
 
 Everything here is pure given ``now`` and the seed: the live trainer passes
 ``time.monotonic()``, the simulator passes simulated time, tests pass whatever they like.
@@ -15,13 +23,20 @@ import bisect
 import itertools
 import math
 import random
-from typing import Collection, Dict, Optional, Sequence
+from collections import deque
+from typing import Collection, Deque, Dict, Optional, Sequence
 
 import numpy as np
 
 from swarm.policy.snapshot import PeerInfo
 
-__all__ = ["NoPeerAvailable", "routing_weights", "Router"]
+__all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "Router"]
+
+ANNOUNCED_CAP = 4.0  # an announced throughput counts at most this multiple of the stage's (lower) median
+MEASURED_CAP = 2.0  # an unmeasured replica counts at most this multiple of the best measured one
+ANNOUNCED_TRUST = 4.0  # an announcement moves a measured replica's weight by at most this factor either way
+MEASURE_WINDOW = 16  # successful calls per replica that its measurement is taken over
+MEASURE_QUANTILE = 0.25  # which quantile of those calls' wall seconds per sample is the measurement
 
 
 class NoPeerAvailable(RuntimeError):
@@ -34,11 +49,9 @@ class NoPeerAvailable(RuntimeError):
 
 def routing_weights(throughputs: Sequence[float]) -> np.ndarray:
     """Probabilities proportional to throughput; unmeasured (0) peers get the mean of measured ones so new peers get tried; all-unmeasured -> uniform."""
-    values = np.asarray(throughputs, dtype=np.float64).reshape(-1)
+    values = _as_throughputs(throughputs, "throughputs")
     if values.size == 0:
         return values
-    if not np.all(np.isfinite(values)) or np.any(values < 0):
-        raise ValueError(f"throughputs must be finite and >= 0, got {list(throughputs)}")
     measured = values > 0
     if not measured.any():
         return np.full(values.size, 1.0 / values.size)
@@ -48,19 +61,83 @@ def routing_weights(throughputs: Sequence[float]) -> np.ndarray:
     return values / values.sum()
 
 
+def cap_announced(announced: Sequence[float], factor: float = ANNOUNCED_CAP) -> np.ndarray:
+    """Announced throughputs, each clipped at ``factor`` times the lower median of the positive ones.
+
+    The lower median, because with two replicas the plain median is the mean, which one liar
+    announcing 1e12 samples/s controls; the lower one stays an honest value while honest
+    replicas are at least half of the stage."""
+    values = _as_throughputs(announced, "announced")
+    positive = np.sort(values[values > 0])
+    if positive.size == 0:
+        return values
+    return np.minimum(values, factor * positive[(positive.size - 1) // 2])
+
+
+def effective_throughputs(announced: Sequence[float], measured: Sequence[float], *,
+                          announced_cap: float = ANNOUNCED_CAP, measured_cap: float = MEASURED_CAP,
+                          announced_trust: float = ANNOUNCED_TRUST) -> np.ndarray:
+    """What each replica of a stage is routed by (0 = unknown, see :func:`routing_weights`).
+
+    ``measured[i] > 0`` is this trainer's own measurement of replica i (samples/s of wall time).
+    Announced values are capped (:func:`cap_announced`) and, once some replicas are measured,
+    converted to the measured scale (they count compute alone, measurements also the network and
+    queueing) by the median ratio of the replicas that have both. A measured replica is routed
+    by its converted announcement kept within ``announced_trust`` times its measurement either
+    way, so no announcement beats a large enough measured gap. An unmeasured one gets its
+    converted announcement, or the mean measured value if there is none, and never more than
+    ``measured_cap`` times the best measured replica: enough to be tried, not to take over."""
+    hints = cap_announced(announced, announced_cap)
+    timed = _as_throughputs(measured, "measured")
+    if timed.shape != hints.shape:
+        raise ValueError(f"announced and measured must have the same length, got {hints.size} and {timed.size}")
+    is_timed = timed > 0
+    if not is_timed.any():
+        return hints
+    both = is_timed & (hints > 0)
+    scale = float(np.median(timed[both] / hints[both])) if both.any() else 0.0  # measured units per announced unit
+    converted = hints * scale
+    has_hint = converted > 0
+    guesses = np.minimum(np.where(has_hint, converted, timed[is_timed].mean()), measured_cap * timed.max())
+    trusted = np.where(has_hint, np.clip(converted, timed / announced_trust, timed * announced_trust), timed)
+    return np.where(is_timed, trusted, guesses)
+
+
+def _as_throughputs(values: Sequence[float], name: str) -> np.ndarray:
+    array = np.asarray(values, dtype=np.float64).reshape(-1)
+    if not np.all(np.isfinite(array)) or np.any(array < 0):
+        raise ValueError(f"{name} must be finite and >= 0, got {list(values)}")
+    return array
+
+
 class Router:
     """Per-trainer routing state: stochastic wiring weighted by throughput + bans with exponential backoff. Pure given `now` (no clock reads)."""
 
-    def __init__(self, seed: int = 0, ban_base_s: float = 1.0, ban_max_s: float = 60.0):
+    def __init__(self, seed: int = 0, ban_base_s: float = 1.0, ban_max_s: float = 60.0, *,
+                 announced_cap: float = ANNOUNCED_CAP, measured_cap: float = MEASURED_CAP,
+                 announced_trust: float = ANNOUNCED_TRUST, measure_window: int = MEASURE_WINDOW,
+                 measure_quantile: float = MEASURE_QUANTILE):
         if not (math.isfinite(ban_base_s) and ban_base_s > 0):
             raise ValueError(f"ban_base_s must be a finite number > 0, got {ban_base_s!r}")
         if not (math.isfinite(ban_max_s) and ban_max_s >= ban_base_s):
             raise ValueError(f"ban_max_s must be finite and >= ban_base_s, got {ban_max_s!r}")
+        for name, value in (("announced_cap", announced_cap), ("measured_cap", measured_cap),
+                            ("announced_trust", announced_trust)):
+            if not value >= 1.0:  # also rejects NaN; inf turns the cap off
+                raise ValueError(f"{name} must be >= 1, got {value!r}")
+        if not (isinstance(measure_window, int) and measure_window >= 1):
+            raise ValueError(f"measure_window must be an int >= 1, got {measure_window!r}")
+        if not 0.0 <= measure_quantile <= 1.0:
+            raise ValueError(f"measure_quantile must be in [0, 1], got {measure_quantile!r}")
         self.ban_base_s = float(ban_base_s)
         self.ban_max_s = float(ban_max_s)
+        self.announced_cap, self.measured_cap, self.announced_trust = announced_cap, measured_cap, announced_trust
+        self.measure_window, self.measure_quantile = measure_window, measure_quantile
         self._rng = random.Random(seed)
         self._banned_until: Dict[str, float] = {}
         self._num_failures: Dict[str, int] = {}
+        self._costs_s: Dict[str, Deque[float]] = {}  # peer id -> wall seconds per sample of its latest successful calls
+        self._measured: Dict[str, float] = {}  # peer id -> samples/s: the measurement routing uses
 
     def choose(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = ()) -> PeerInfo:
         """Only state=='online', not banned, not excluded; raises NoPeerAvailable."""
@@ -86,25 +163,50 @@ class Router:
                     and not now < banned_until.get(peer.peer_id, -math.inf)]
         if not eligible:
             return []
-        return list(zip(eligible, routing_weights([peer.throughput for peer in eligible]).tolist()))
+        throughputs = effective_throughputs(
+            [peer.throughput for peer in eligible], [self.measured_throughput(peer.peer_id) for peer in eligible],
+            announced_cap=self.announced_cap, measured_cap=self.measured_cap, announced_trust=self.announced_trust)
+        return list(zip(eligible, routing_weights(throughputs).tolist()))
 
-    def ban(self, peer_id: str, now: float) -> float:
+    def ban(self, peer_id: str, now: float, duration_s: Optional[float] = None) -> float:
         """Ban ``peer_id`` after a failure; returns the ban duration in seconds.
 
         The duration doubles with each failure since the last success (capped at
         ``ban_max_s``): a peer that fails once (a transient timeout) is retried soon, one
-        that keeps failing stops wasting trainers' retries.
+        that keeps failing stops wasting trainers' retries. With ``duration_s`` the peer is
+        set aside for that long without counting a failure (a busy peer is not a faulty one).
         """
-        failures = self._num_failures.get(peer_id, 0)
-        duration_s = min(self.ban_base_s * (2.0 ** min(failures, 60)), self.ban_max_s)
-        self._num_failures[peer_id] = failures + 1
+        if duration_s is None:
+            failures = self._num_failures.get(peer_id, 0)
+            duration_s = min(self.ban_base_s * (2.0 ** min(failures, 60)), self.ban_max_s)
+            self._num_failures[peer_id] = failures + 1
+        elif not (math.isfinite(duration_s) and duration_s >= 0):
+            raise ValueError(f"duration_s must be a finite number >= 0, got {duration_s!r}")
         self._banned_until[peer_id] = max(self._banned_until.get(peer_id, -math.inf), now + duration_s)
         return duration_s
 
-    def report_success(self, peer_id: str) -> None:
-        """The peer served a request: forget its failures, so its next ban starts short."""
+    def report_success(self, peer_id: str, samples: int = 0, elapsed_s: float = 0.0) -> None:
+        """The peer served a request: forget its failures, so its next ban starts short, and, given
+        the call's ``samples`` and wall time ``elapsed_s``, update this router's measurement of it.
+
+        The measurement is a low quantile of the latest calls' wall time per sample: a call to the
+        clock stage can wait for the stage's global step to close (seconds, alike for every replica,
+        and most often for the replica that gets the most calls), which says nothing about the
+        replica, whereas a replica that keeps requests queued is slow at that quantile too."""
+        if not (isinstance(samples, int) and samples >= 0):
+            raise ValueError(f"samples must be an int >= 0, got {samples!r}")
+        if not (math.isfinite(elapsed_s) and elapsed_s >= 0):
+            raise ValueError(f"elapsed_s must be a finite number >= 0, got {elapsed_s!r}")
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
+        if samples > 0 and elapsed_s > 0:
+            costs = self._costs_s.setdefault(peer_id, deque(maxlen=self.measure_window))
+            costs.append(elapsed_s / samples)
+            self._measured[peer_id] = 1.0 / float(np.quantile(costs, self.measure_quantile))
+
+    def measured_throughput(self, peer_id: str) -> float:
+        """Samples per second of wall time of this router's successful calls to ``peer_id``; 0.0 = none yet."""
+        return self._measured.get(peer_id, 0.0)
 
     def is_banned(self, peer_id: str, now: float) -> bool:
         """Whether ``peer_id`` is still serving a ban at time ``now``."""
@@ -115,6 +217,8 @@ class Router:
         """Drop all state about a peer (e.g. its DHT record expired), bounding memory."""
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
+        self._costs_s.pop(peer_id, None)
+        self._measured.pop(peer_id, None)
 
     @staticmethod
     def _explain_empty(candidates: Sequence[PeerInfo], now: float, exclude: Collection[str]) -> NoPeerAvailable:
