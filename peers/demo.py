@@ -51,7 +51,9 @@ def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
     from swarm.dht import start_dht
 
-    dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True)
+    run = config.run
+    dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True, run_id=run.run_id,
+                    num_stages=run.num_stages)
     started = time.monotonic()
     try:
         while not stop.is_set() and any(t.proc.poll() is None for t in trainers):
@@ -59,7 +61,7 @@ async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleP
                 await asyncio.wait_for(stop.wait(), config.log_period_s)
             except asyncio.TimeoutError:
                 pass
-            print(await status_line(dht, config.run.run_id, time.monotonic() - started), flush=True)
+            print(await status_line(dht, run.run_id, run.num_stages, time.monotonic() - started), flush=True)
     finally:
         dht.shutdown()
 

@@ -18,6 +18,7 @@ class StatusConfig:
     """Which run to watch and how often."""
 
     run_id: str = "swarm_demo"  # the run to watch
+    num_stages: int = 2  # pipeline stages of that run (each stage's peers announce under a key of their own)
     period_s: float = 5.0  # seconds between status lines
     count: int = 0  # status lines to print before exiting; 0 = until Ctrl-C
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -26,6 +27,8 @@ class StatusConfig:
         validate_run_id(self.run_id)
         if not self.period_s > 0 or self.count < 0:
             raise ValueError("period_s must be positive and count non-negative")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
 
 
 def format_status(elapsed: float, peers: Dict, trainers: Dict) -> str:
@@ -40,11 +43,11 @@ def format_status(elapsed: float, peers: Dict, trainers: Dict) -> str:
             f"{tokens_per_s:8.0f} tokens/s | step {steps} | peers (stage:id throughput queue processed) {per_peer}")
 
 
-async def status_line(dht, run_id: str, elapsed: float) -> str:
-    from swarm.dht_io import fetch_records
-    from swarm.records import PeerRecord, TrainerRecord, peers_key, trainers_key
+async def status_line(dht, run_id: str, num_stages: int, elapsed: float) -> str:
+    from swarm.dht_io import fetch_records, fetch_stage_records
+    from swarm.records import TrainerRecord, trainers_key
 
-    peers = await fetch_records(dht, peers_key(run_id), PeerRecord)
+    peers = await fetch_stage_records(dht, run_id, num_stages)
     trainers = await fetch_records(dht, trainers_key(run_id), TrainerRecord)
     return format_status(elapsed, peers, trainers)
 
@@ -53,11 +56,11 @@ async def watch(config: StatusConfig) -> int:
     from swarm.dht import start_dht
 
     stop = stop_event()
-    dht = start_dht(config.network, client_mode=True)
+    dht = start_dht(config.network, client_mode=True, run_id=config.run_id, num_stages=config.num_stages)
     started, printed = time.monotonic(), 0
     try:
         while not stop.is_set() and (config.count == 0 or printed < config.count):
-            print(await status_line(dht, config.run_id, time.monotonic() - started), flush=True)
+            print(await status_line(dht, config.run_id, config.num_stages, time.monotonic() - started), flush=True)
             printed += 1
             try:
                 await asyncio.wait_for(stop.wait(), config.period_s)

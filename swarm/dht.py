@@ -1,17 +1,80 @@
-"""Starting the hivemind DHT that every role (peer, trainer, bootstrap, status) joins."""
+"""Starting the hivemind DHT that every role (peer, trainer, bootstrap, status) joins.
+
+Every node runs the same validators: ``RSASignatureValidator`` with the node's own identity key
+(it signs what this node stores under its ``[owner:...]`` subkey and checks everyone else's
+signatures) and, once the run is known, the run's schema (``swarm.records.run_schema_validator``).
+hivemind applies them both when a node is asked to store a value and when a lookup returns one,
+so a node that stores junk in its own storage cannot make an honest reader accept it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any, Collection, Dict, Optional
+
 from hivemind import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.utils.auth import AuthorizerBase
 
-from swarm.config import NetworkConfig
+from swarm.config import NetworkConfig, RunConfig
+from swarm.identity import Identity, load_or_create_identity
+from swarm.records import run_schema_validator
 
-__all__ = ["start_dht"]
+__all__ = ["start_dht", "start_run_dht", "identity_of"]
 
 
-def start_dht(network: NetworkConfig, client_mode: bool = False) -> DHT:
-    return DHT(
+def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Optional[str] = None,
+              num_stages: Optional[int] = None, identity: Optional[Identity] = None,
+              authorizer: Optional[AuthorizerBase] = None) -> DHT:
+    """Start a DHT process whose libp2p identity is ``identity`` (loaded from or created at
+    ``network.identity_path`` when not given) and attach that identity as ``dht.identity``, so
+    that the caller signs its records with the key behind its peer id.
+
+    With ``run_id`` (and then ``num_stages``) the node enforces the run's record schema; roles that
+    read or write run records should always pass them: without the schema, a plain value stored
+    under a run key with a later expiration hides the records beneath it from this node."""
+    if run_id is not None and num_stages is None:
+        raise ValueError("num_stages is required with run_id: the run's schema has one key per stage")
+    if identity is None:
+        identity = load_or_create_identity(network.identity_path)
+    validators = [RSASignatureValidator(identity.private_key)]
+    if run_id is not None:
+        validators.append(run_schema_validator(run_id, num_stages))
+    extra: Dict[str, Any] = {} if authorizer is None else {"authorizer": authorizer}
+    dht = DHT(
         initial_peers=network.initial_peers, host_maddrs=network.host_maddrs,
-        announce_maddrs=network.announce_maddrs or None, identity_path=network.identity_path,
-        client_mode=client_mode, start=True, startup_timeout=network.startup_timeout_s,
+        announce_maddrs=network.announce_maddrs or None, identity_path=identity.path,
+        # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
+        check_if_identity_free=not identity.fresh, record_validators=validators,
+        client_mode=client_mode, start=True, startup_timeout=network.startup_timeout_s, **extra,
     )
+    dht.identity = identity  # lives in this (parent) process only; the DHT process has the key in its validator
+    if str(dht.peer_id) != identity.peer_id:
+        dht.shutdown()
+        raise RuntimeError(f"p2pd runs as {dht.peer_id}, but the identity at {identity.path} is {identity.peer_id}")
+    return dht
+
+
+def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False) -> DHT:
+    """The DHT of a participant of ``run``: its identity, the run's record schema, and in a private run
+    the allowlist authorizer (without which the run's other nodes refuse to talk to it)."""
+    from swarm.auth import authorizer_for
+
+    identity = load_or_create_identity(network.identity_path)
+    return start_dht(network, client_mode, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
+                     authorizer=authorizer_for(run.allowlist, identity))
+
+
+def identity_of(dht: DHT) -> Identity:
+    """The identity a DHT was started with; records can be signed and read only through such a DHT."""
+    identity = getattr(dht, "identity", None)
+    if not isinstance(identity, Identity):
+        raise ValueError("this DHT has no signing identity: start it with swarm.dht.start_dht")
+    return identity
+
+
+async def get_many_in_dht(_dht: DHT, node: DHTNode, keys: Collection[str], timeout: float) -> Dict[str, Any]:
+    """Look up several keys in one traversal (the latest value of each); runs inside the DHT process
+    through ``dht.run_coroutine``, so it is defined here, imported by every process before its DHT forks."""
+    return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=float("inf")), timeout)

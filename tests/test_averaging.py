@@ -1,4 +1,4 @@
-"""Test 3: after global steps, every replica of a stage holds identical parameters, all stages at one step."""
+"""After global steps, every replica of a stage holds identical parameters, all stages at one step."""
 
 from __future__ import annotations
 
@@ -34,7 +34,10 @@ async def test_replicas_identical_and_stages_in_step(launcher, probe):
     for stage in (0, 1):
         replicas = online(records, stage)
         for record in replicas:  # every step was an all-reduce of both replicas, not two local steps
-            assert all(sorted(members) == sorted(r.peer_id for r in replicas) for members in record.contributors.values())
+            for step in range(record.step):
+                members = (await probe.call(record.peer_id, "step_members", {"stage": stage, "step": step}))["members"]
+                assert sorted(members) == sorted(r.peer_id for r in replicas), (stage, step, members)
+                assert record.contributed_to(step) is True
         exported = [await probe.call(r.peer_id, "parameters", {}) for r in replicas]
         assert exported[0]["step"] == exported[1]["step"]
         for a, b in zip(exported[0]["parameters"], exported[1]["parameters"]):

@@ -1,8 +1,7 @@
-"""Test 6: malformed requests get a clear error and the peer keeps serving; bad records and configs are refused."""
+"""Malformed requests get a clear error and the peer keeps serving; bad records and configs are refused."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import uuid
@@ -10,11 +9,12 @@ import uuid
 import pytest
 import pytest_asyncio
 import torch
+from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.records import PeerRecord, parse_records, peers_key
+from swarm.records import stage_key
 from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
 from swarm.wire import decode
 from tests.utils.probe import Probe, online
@@ -89,7 +89,7 @@ async def test_backward_with_bad_gradient_is_refused(swarm):
     for grad, expected in ((torch.randn(2, SEQ, HIDDEN + 1), "grad_outputs must be"),
                            (torch.full((2, SEQ, HIDDEN), float("nan")), "NaN")):
         with pytest.raises(RemoteError, match=expected):
-            await probe.call(first, "backward", {"stage": 0, "micro_batch_id": "x", "inputs": tokens(),
+            await probe.call(first, "backward", {"stage": 0, "micro_batch_id": f"{probe.peer_id}:x", "inputs": tokens(),
                                                  "grad_outputs": grad})
     with pytest.raises(RemoteError, match="micro_batch_id"):
         await probe.call(first, "backward", {"stage": 0, "inputs": tokens(), "grad_outputs": hidden()})
@@ -134,34 +134,23 @@ async def test_garbage_bytes_are_refused(swarm):
 
 
 @module_loop
-async def test_garbage_dht_records_are_ignored(swarm, caplog):
+async def test_garbage_dht_records_are_ignored(swarm):
+    """A node that runs no validators stores junk under the run's keys: plain values, non-owner
+    subkeys, malformed records. Readers still see exactly the two real peers, which keep serving."""
     probe, first, last = swarm
-    key = peers_key(probe.run_id)
-    expiration = get_dht_time() + 30
-    probe.dht.store(key, {"version": 1, "peer_id": "fake", "stage": "zero"}, expiration, subkey="fake")
-    probe.dht.store(key, "not even a dict", expiration, subkey="junk")
-    probe.dht.store(key, {"peer_id": "12D3Koo-liar", "stage": 0, "state": "online"}, expiration, subkey="12D3Koo-liar")
-    with caplog.at_level(logging.WARNING):
+    raw = DHT(initial_peers=probe.dht.get_visible_maddrs(), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        expiration = get_dht_time() + 30
+        for key in (stage_key(probe.run_id, 0), stage_key(probe.run_id, 1)):
+            raw.store(key, {"version": 1, "peer_id": "fake", "stage": "zero"}, expiration, subkey="fake")
+            raw.store(key, "not even a dict", expiration + 1)
+            raw.store(key, {"peer_id": first, "stage": 0, "state": "leaving"}, expiration, subkey=first)
         records = await probe.records()
-    assert set(records) == {first, last}
-    assert "ignoring malformed record" in caplog.text
+        assert set(records) == {first, last}
+        assert all(r.state == "online" for r in records.values())
+    finally:
+        raw.shutdown()
     await assert_still_serving(probe, first, last)
-
-
-def test_parse_records_rejects_mismatched_and_foreign_values(caplog):
-    class Item:
-        def __init__(self, value):
-            self.value = value
-
-    good = {"version": 1, "peer_id": "p1", "stage": 0, "state": "online", "throughput": 1.0, "queue_length": 0,
-            "step": 0, "accum_step": 0, "samples_pending": 0, "samples_applied": 0, "future_field": [1, 2]}
-    raw = Item({"p1": Item(good), "p2": Item(good), "p3": Item({**good, "peer_id": "p3", "throughput": float("nan")}),
-                "p4": Item({**good, "peer_id": "p4", "state": "dancing"})})
-    with caplog.at_level(logging.WARNING):
-        records = parse_records(raw, PeerRecord, key="k")
-    assert list(records) == ["p1"]  # unknown fields tolerated; mismatched subkey, NaN and bad state dropped
-    assert caplog.text.count("ignoring") == 3
-    assert parse_records(Item(["a list"]), PeerRecord, key="k") == {}
 
 
 @pytest.mark.parametrize("args, field", [

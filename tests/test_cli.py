@@ -1,4 +1,4 @@
-"""Test 7: every CLI role starts as a subprocess and stops cleanly, leaving no process behind."""
+"""Every CLI role starts as a subprocess and stops cleanly, leaving no process behind."""
 
 from __future__ import annotations
 

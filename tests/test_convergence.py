@@ -1,4 +1,4 @@
-"""Test 4: 2 stages x 2 replicas with 2 trainers reach, after the same number of samples, a validation
+"""2 stages x 2 replicas with 2 trainers reach, after the same number of samples, a validation
 loss within 5% of single-process training of the same model from the same initialisation."""
 
 from __future__ import annotations

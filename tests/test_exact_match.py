@@ -1,4 +1,4 @@
-"""Test 1: a micro-batch through remote stages computes exactly what the local model computes."""
+"""A micro-batch through remote stages computes exactly what the local model computes."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ async def test_remote_pipeline_matches_local_model(launcher, probe):
 
     remote_hidden = (await probe.call(first, "forward", {"stage": 0, "inputs": tokens}))["outputs"]
     torch.testing.assert_close(remote_hidden, hidden.detach(), atol=1e-5, rtol=0)
-    reply = await probe.call(last, "backward", {"stage": 1, "micro_batch_id": "m0", "inputs": remote_hidden,
+    reply = await probe.call(last, "backward", {"stage": 1, "micro_batch_id": f"{probe.peer_id}:m0", "inputs": remote_hidden,
                                                   "targets": targets})
     assert abs(reply["loss"] - loss.item()) < 1e-5
     torch.testing.assert_close(reply["grad_inputs"], hidden.grad, atol=1e-5, rtol=0)
-    await probe.call(first, "backward", {"stage": 0, "micro_batch_id": "m0", "inputs": tokens,
+    await probe.call(first, "backward", {"stage": 0, "micro_batch_id": f"{probe.peer_id}:m0", "inputs": tokens,
                                           "grad_outputs": reply["grad_inputs"]})
 
     for stage, peer_id in ((0, first), (1, last)):

@@ -1,4 +1,4 @@
-"""Test 5: SIGKILL a replica mid-training: its work is retried elsewhere, no sample lost or counted twice."""
+"""SIGKILL a replica mid-training: its work is retried elsewhere, no sample lost or counted twice."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Test 2 (live): of two replicas of a stage, the faster one receives more of the work."""
+"""Live: of two replicas of a stage, the faster one receives more of the work."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from tests.utils.probe import online
 async def test_faster_replica_gets_more_work(launcher, probe):
     launcher.peer(0)
     launcher.peer(1, name="fast")
-    launcher.peer(1, extra=["--delay_per_sample_s", "0.002"], name="slow")
+    launcher.peer(1, extra=["--delay_per_sample_s", "0.01"], name="slow")
     records = await probe.wait_for(lambda r: online(r, 0) and len(online(r, 1)) == 2, 30, "three peers online")
     trainer = launcher.trainer(extra=["--max_samples", "800", "--batch_size", "8", "--max_in_flight", "4"])
     assert trainer.wait_event("trainer_done", timeout=180)["samples_sent"] == 800

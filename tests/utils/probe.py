@@ -4,24 +4,36 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from hivemind import DHT
 from hivemind.p2p import PeerID
 
-from swarm.dht_io import fetch_records
-from swarm.records import PeerRecord, peers_key
+from swarm.auth import authorizer_for
+from swarm.config import NetworkConfig
+from swarm.dht import start_dht
+from swarm.dht_io import fetch_stage_records
+from swarm.identity import Identity
+from swarm.records import PeerRecord
 from swarm.rpc import call_peer
 
 
 class Probe:
-    def __init__(self, initial_peers: Sequence[str], run_id: str):
-        self.run_id = run_id
-        self.dht = DHT(initial_peers=list(initial_peers), host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    """A DHT node of the run (with the run's record validators and its own identity) that reads
+    records and calls peers; it can also announce records of its own, as a lying peer would."""
+
+    def __init__(self, initial_peers: Sequence[str], run_id: str, num_stages: int = 2, identity: Optional[Identity] = None,
+                 allowlist: Sequence[str] = ()):
+        self.run_id, self.num_stages = run_id, num_stages
+        self.dht = start_dht(NetworkConfig(initial_peers=list(initial_peers)), run_id=run_id, num_stages=num_stages,
+                             identity=identity, authorizer=None if identity is None else authorizer_for(allowlist, identity))
         self._p2p = None
 
+    @property
+    def peer_id(self) -> str:
+        return str(self.dht.peer_id)
+
     async def records(self) -> Dict[str, PeerRecord]:
-        return await fetch_records(self.dht, peers_key(self.run_id), PeerRecord)
+        return await fetch_stage_records(self.dht, self.run_id, self.num_stages)
 
     async def call(self, peer_id: str, method: str, message: Dict[str, Any], timeout: float = 30.0,
                    stream: bool = False) -> Dict[str, Any]:
