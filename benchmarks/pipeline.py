@@ -315,7 +315,7 @@ async def probe_rpc(trainer: Trainer, peers: Dict[int, str], messages: Dict[str,
             method = name if name == "info" else name[:-1]
             message = {} if name == "info" else dict(messages[name][0])
             if "micro_batch_id" in message:
-                message["micro_batch_id"] = f"probe:{name}:{rep}"
+                message["micro_batch_id"] = f"{trainer.trainer_id}:probe:{name}:{rep}"  # ids belong to their sender
             elapsed = await time_call(trainer, peers[stage], method, message)
             if rep:
                 times[name].append(elapsed)
