@@ -18,7 +18,7 @@ from hivemind.utils import get_logger
 from swarm import PROTOCOL_VERSION
 from swarm.config import RunConfig
 from swarm.configuration import ConfigError, config_from_dict
-from swarm.manifest import run_differences, run_hash
+from swarm.manifest import run_differences, run_hash, run_settings
 from swarm.rpc import call_peer
 
 __all__ = ["settings_reply", "same_run", "check_run_agreement", "RunFilter"]
@@ -29,9 +29,7 @@ R = TypeVar("R")
 
 def settings_reply(run: RunConfig) -> Dict[str, Any]:
     """What the ``settings`` RPC answers: the run settings this peer serves, and its protocol version."""
-    from swarm.manifest import _run_dict
-
-    return {"run": _run_dict(run), "protocol_version": PROTOCOL_VERSION, "run_hash": run_hash(run)}
+    return {"run": run_settings(run), "protocol_version": PROTOCOL_VERSION, "run_hash": run_hash(run)}
 
 
 def same_run(records: Mapping[str, R], own_hash: str) -> Dict[str, R]:

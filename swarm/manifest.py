@@ -41,6 +41,7 @@ __all__ = [
     "sign_manifest",
     "verify_manifest",
     "run_hash",
+    "run_settings",
     "run_differences",
     "check_against_manifest",
     "join_settings",
@@ -102,14 +103,14 @@ def _canonical(data: Any) -> bytes:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def _run_dict(run: RunConfig) -> Dict[str, Any]:
+def run_settings(run: RunConfig) -> Dict[str, Any]:
     # a JSON round trip turns tuples into lists, so equal settings always give equal bytes
     return json.loads(json.dumps(dataclasses.asdict(run)))
 
 
 def run_hash(run: RunConfig) -> str:
     """16 hex characters that differ between differently-configured runs (peers announce it)."""
-    return hashlib.sha256(_canonical(_run_dict(run))).hexdigest()[:16]
+    return hashlib.sha256(_canonical(run_settings(run))).hexdigest()[:16]
 
 
 def sign_manifest(run: RunConfig, identity: Identity, revision: int, issued_at: Optional[float] = None) -> SignedManifest:
@@ -122,7 +123,7 @@ def sign_manifest(run: RunConfig, identity: Identity, revision: int, issued_at: 
         raise ValueError(f"the allowlist of a private run must include the organiser's own peer id {identity.peer_id}")
     payload = _canonical({
         "protocol_version": PROTOCOL_VERSION, "organiser": identity.peer_id, "revision": revision,
-        "issued_at": float(time.time() if issued_at is None else issued_at), "run": _run_dict(run),
+        "issued_at": float(time.time() if issued_at is None else issued_at), "run": run_settings(run),
     })
     public_key = identity.private_key.get_public_key().to_bytes()
     return SignedManifest(payload, identity.private_key.sign(payload), public_key)
@@ -219,7 +220,7 @@ def join_settings(settings: Mapping[str, Any], manifest: RunManifest, address: s
     explicit_run = settings.get("run") or {}
     if not isinstance(explicit_run, Mapping):
         raise ConfigError(f"run: expected a mapping, got {type(explicit_run).__name__}")
-    manifest_run = _run_dict(manifest.run)
+    manifest_run = run_settings(manifest.run)
     check_against_manifest(manifest, config_from_dict(RunConfig, _merged(manifest_run, explicit_run), prefix="run."))
     network = dict(settings.get("network") or {})
     given = network.get("initial_peers") or []

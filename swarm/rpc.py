@@ -169,9 +169,14 @@ class RPCServicer(ServicerBase):
     # ---- admission ----
 
     def _refusal(self, caller: str) -> Optional[bytes]:
-        """An 'unauthorized' reply for a caller that ``authorize`` rejects, logged once per caller; else None."""
-        if self.authorize is None or self.authorize(caller):
-            return None
+        """An 'unauthorized' reply for a caller that ``authorize`` rejects, logged once per caller; an
+        'internal' one if ``authorize`` itself fails; else None."""
+        try:
+            if self.authorize is None or self.authorize(caller):
+                return None
+        except Exception as e:
+            logger.exception(f"authorize({caller}) failed")
+            return _error(f"authorization failed on the server: {type(e).__name__}", "internal")
         if caller not in self._reported:
             logger.warning(f"refusing calls from unauthorized peer {caller}")
             self._reported[caller] = None
@@ -190,11 +195,7 @@ class RPCServicer(ServicerBase):
     async def _dispatch(self, method: str, payload: bytes, caller: PeerID) -> bytes:
         """Answer one whole request (a unary call): admission, then :meth:`_handle`."""
         caller_id = str(caller)
-        try:
-            refusal = self._refusal(caller_id)
-        except Exception as e:
-            logger.exception(f"authorize({caller_id}) failed")
-            return _error(f"authorization failed on the server: {type(e).__name__}", "internal")
+        refusal = self._refusal(caller_id)
         if refusal is not None:
             return refusal
         if not self.budget.admit(caller_id, len(payload)):
@@ -241,11 +242,7 @@ class RPCServicer(ServicerBase):
 
     async def _serve_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], caller: str) -> bytes:
         """Read a chunked request within the caller's budget and answer it with one reply."""
-        try:
-            refusal = self._refusal(caller)
-        except Exception as e:
-            logger.exception(f"authorize({caller}) failed")
-            return _error(f"authorization failed on the server: {type(e).__name__}", "internal")
+        refusal = self._refusal(caller)
         if refusal is not None:
             return refusal
         if not self.budget.admit(caller):

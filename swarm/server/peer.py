@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -133,9 +132,6 @@ class StagePeer:
         await self.joining.leave_stage()
         self.averager.shutdown()
         await self._serve_stage(stage)
-
-    async def save_checkpoint(self) -> Optional[Path]:
-        return await self.checkpoints.save()
 
     async def leave(self) -> None:
         """Graceful leave (SIGTERM): refuse new work, finish what is in flight, checkpoint, announce, shut down."""
