@@ -36,8 +36,16 @@ class Swarm:
         self.processes.append(process)
         return process
 
+    def _bootstrap_run_args(self) -> List[str]:
+        """The run's id and stage count, so that the bootstrap's storage refuses anything but the run's records."""
+        args = []
+        for flag in ("--run_id", "--num_stages"):
+            if flag in self.run_args:
+                args += [flag, self.run_args[self.run_args.index(flag) + 1]]
+        return args
+
     def bootstrap(self, timeout: float = 60.0) -> None:
-        process = self._start("bootstrap", ["--host_maddrs", LOOPBACK], "bootstrap")
+        process = self._start("bootstrap", ["--host_maddrs", LOOPBACK, *self._bootstrap_run_args()], "bootstrap")
         self.initial_peers = process.wait_event("bootstrap_ready", timeout)["maddrs"]
 
     def peers(self, stage_args: Sequence[Sequence[str]], timeout: float = 120.0) -> List[Dict[str, Any]]:

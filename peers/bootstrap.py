@@ -73,8 +73,8 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int
     from swarm.identity import load_or_create_identity
 
     stop = stop_event()
-    if run is None:
-        dht = start_dht(config.network)
+    if run is None:  # a plain entry point; with run_id its storage refuses anything but the run's signed records
+        dht = start_dht(config.network, run_id=config.run_id, num_stages=config.num_stages if config.run_id else None)
     else:
         identity = load_or_create_identity(config.network.identity_path)
         dht = start_dht(config.network, run_id=run.run_id, num_stages=run.num_stages, identity=identity,

@@ -30,7 +30,8 @@ def _run_flags(config: DemoConfig) -> List[str]:
 
 def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
     processes: List[RoleProcess] = []
-    boot = RoleProcess("bootstrap", [], log_dir, "bootstrap")
+    boot = RoleProcess("bootstrap", ["--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages)],
+                       log_dir, "bootstrap")
     processes.append(boot)
     maddrs = boot.wait_event("bootstrap_ready", config.startup_timeout_s)["maddrs"]
     common = [*_run_flags(config), "--initial_peers", ",".join(maddrs)]

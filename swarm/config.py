@@ -165,7 +165,15 @@ class BootstrapConfig:
 
     maddrs_file: Optional[str] = None  # write this peer's multiaddrs here once it is up
     manifest: Optional[str] = None  # YAML file of the run's settings: sign it, publish it and serve it to joiners
+    run_id: Optional[str] = None  # without a manifest: enforce this run's record schema (None = store whatever is sent; readers drop it)
+    num_stages: int = 2  # stages of that run (with run_id)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        if self.run_id is not None:
+            validate_run_id(self.run_id)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
 
 
 @dataclass

@@ -30,8 +30,9 @@ class Launcher:
         self.processes.append(process)
         return process
 
-    def bootstrap(self) -> RoleProcess:
-        process = self.start("bootstrap", [], name="bootstrap")
+    def bootstrap(self, num_stages: int = 2) -> RoleProcess:
+        """The run's entry point; it enforces the run's record schema, as every other node does."""
+        process = self.start("bootstrap", ["--run_id", self.run_id, "--num_stages", str(num_stages)], name="bootstrap")
         self.initial_peers = process.wait_event("bootstrap_ready", timeout=60)["maddrs"]
         return process
 
