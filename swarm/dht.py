@@ -10,18 +10,24 @@ so a node that stores junk in its own storage cannot make an honest reader accep
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Collection, Dict, Optional
+from contextvars import ContextVar
+from typing import Any, Collection, Dict, List, Optional
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.utils import get_logger
 from hivemind.utils.auth import AuthorizerBase
 
 from swarm.config import NetworkConfig, RunConfig
 from swarm.identity import Identity, load_or_create_identity
 from swarm.records import run_schema_validator
 
-__all__ = ["start_dht", "start_run_dht", "identity_of"]
+__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
+
+logger = get_logger(__name__)
+# values refused while one lookup request is answered (set per request, in the DHT process)
+_REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
 
 
 def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Optional[str] = None,
@@ -53,6 +59,8 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     if str(dht.peer_id) != identity.peer_id:
         dht.shutdown()
         raise RuntimeError(f"p2pd runs as {dht.peer_id}, but the identity at {identity.path} is {identity.peer_id}")
+    if run_id is not None:
+        dht.run_coroutine(_blacklist_nodes_that_answer_junk)
     return dht
 
 
@@ -78,3 +86,46 @@ async def get_many_in_dht(_dht: DHT, node: DHTNode, keys: Collection[str], timeo
     """Look up several keys in one traversal (the latest value of each); runs inside the DHT process
     through ``dht.run_coroutine``, so it is defined here, imported by every process before its DHT forks."""
     return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=float("inf")), timeout)
+
+
+async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:
+    """Runs once in the DHT process: a node whose answer to a lookup holds a value the validators refuse
+    (a plain value under a run key, a forged or malformed record) is treated as a node that did not
+    answer, so hivemind blacklists it with its backoff (longer each time). hivemind itself only drops
+    such values, so a node serving a megabyte of junk under a run key would be asked again on every
+    lookup of every reader."""
+    protocol = node.protocol
+    validate_record, validate_dictionary, call_find = protocol._validate_record, protocol._validate_dictionary, protocol.call_find
+    reported: set = set()
+
+    def noting(validate):
+        def checked(key_bytes: bytes, *args) -> bool:
+            valid = validate(key_bytes, *args)
+            refused = _REFUSED_IN_ANSWER.get()
+            if not valid and refused is not None:
+                refused.append(key_bytes)
+            return valid
+        return checked
+
+    async def call_find_refusing_junk(peer_id, keys):
+        token = _REFUSED_IN_ANSWER.set([])
+        try:
+            response = await call_find(peer_id, keys)
+            refused = _REFUSED_IN_ANSWER.get()
+        finally:
+            _REFUSED_IN_ANSWER.reset(token)
+        if not refused:
+            return response
+        if peer_id not in reported and len(reported) < 10_000:
+            reported.add(peer_id)
+            logger.warning(f"DHT node {peer_id} answered a lookup with {len(refused)} invalid values; not asking it "
+                           f"for a while (longer each time it does so again)")
+        return None  # as if it had not answered: the caller blacklists it
+
+    protocol._validate_record, protocol._validate_dictionary = noting(validate_record), noting(validate_dictionary)
+    protocol.call_find = call_find_refusing_junk
+
+
+async def blacklisted_peers(_dht: DHT, node: DHTNode) -> List[str]:
+    """The peers this DHT node does not ask now (for ``dht.run_coroutine``: tests and diagnostics)."""
+    return [str(peer_id) for peer_id, _ in node.blacklist.banned_peers.items()]

@@ -14,6 +14,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
+from swarm.dht import blacklisted_peers
 from swarm.records import stage_key
 from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
 from swarm.wire import decode
@@ -148,6 +149,8 @@ async def test_garbage_dht_records_are_ignored(swarm):
         records = await probe.records()
         assert set(records) == {first, last}
         assert all(r.state == "online" for r in records.values())
+        # the node that answered with junk is not asked again for a while
+        assert str(raw.peer_id) in await probe.dht.run_coroutine(blacklisted_peers, return_future=True)
     finally:
         raw.shutdown()
     await assert_still_serving(probe, first, last)
