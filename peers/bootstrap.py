@@ -68,17 +68,13 @@ async def _organise(dht, run: RunConfig) -> List[asyncio.Task]:
 
 
 async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int:
-    from swarm.auth import authorizer_for
-    from swarm.dht import start_dht
-    from swarm.identity import load_or_create_identity
+    from swarm.dht import start_dht, start_run_dht
 
     stop = stop_event()
     if run is None:  # a plain entry point; with run_id its storage refuses anything but the run's signed records
         dht = start_dht(config.network, run_id=config.run_id, num_stages=config.num_stages if config.run_id else None)
     else:
-        identity = load_or_create_identity(config.network.identity_path)
-        dht = start_dht(config.network, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
-                        authorizer=authorizer_for(run.allowlist, identity))
+        dht = start_run_dht(config.network, run)
     tasks: List[asyncio.Task] = []
     try:
         maddrs = [str(a) for a in dht.get_visible_maddrs()]

@@ -26,7 +26,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-__all__ = ["Identity", "load_or_create_identity", "peer_id_of", "MIN_RSA_BITS"]
+__all__ = ["Identity", "load_or_create_identity", "owner_subkey", "peer_id_of", "MIN_RSA_BITS"]
 
 MIN_RSA_BITS = 2048  # libp2p refuses smaller RSA keys
 
@@ -51,7 +51,12 @@ class Identity:
     @property
     def owner_subkey(self) -> bytes:
         """The DHT subkey under which this participant stores its records: only its key can sign it."""
-        return RSASignatureValidator(self.private_key).local_public_key
+        return owner_subkey(self.public_key)
+
+
+def owner_subkey(public_key: bytes) -> bytes:
+    """The DHT subkey that hivemind's ``RSASignatureValidator`` reserves for the holder of ``public_key``."""
+    return RSASignatureValidator.PUBLIC_KEY_FORMAT.replace(b"_key_", public_key)
 
 
 def load_or_create_identity(path: Optional[str]) -> Identity:

@@ -30,7 +30,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from swarm import PROTOCOL_VERSION
 from swarm.config import RunConfig
 from swarm.configuration import ConfigError, config_from_dict
-from swarm.identity import Identity, peer_id_of
+from swarm.identity import Identity, owner_subkey, peer_id_of
 from swarm.records import MAX_MANIFEST_PAYLOAD_BYTES, manifest_key
 from swarm.rpc import Handler, call_peer
 
@@ -45,7 +45,6 @@ __all__ = [
     "run_differences",
     "check_against_manifest",
     "join_settings",
-    "owner_subkey",
     "publish_manifest",
     "fetch_manifest",
     "manifest_handler",
@@ -227,11 +226,6 @@ def join_settings(settings: Mapping[str, Any], manifest: RunManifest, address: s
     given = [item for item in given.split(",") if item] if isinstance(given, str) else list(given)
     network["initial_peers"] = [address] + [peer for peer in given if peer != address]
     return {**settings, "run": manifest_run, "network": network}
-
-
-def owner_subkey(public_key: bytes) -> bytes:
-    """The subkey that hivemind's ``RSASignatureValidator`` reserves for the holder of ``public_key``."""
-    return b"[owner:" + public_key + b"]"
 
 
 async def publish_manifest(dht: Any, signed: SignedManifest, expiration_s: float, timeout: float = 10.0) -> bool:
