@@ -185,7 +185,10 @@ def test_hf_loader_on_local_jsonl(tmp_path, monkeypatch):
     # nothing may download, nor write to the user's cache (effective when datasets is first imported here)
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
-    path = tmp_path / "rows.jsonl"
+    # a fixed relative path: documents are assigned to validation by a hash of their name, which
+    # holds the path, so under a changing temporary directory some runs would hold out no row at all
+    monkeypatch.chdir(tmp_path)
+    path = Path("rows.jsonl")
     texts = [f"row {i}: some text" for i in range(50)]
     path.write_text("\n".join(json.dumps({"content": t, "n": i}) for i, t in enumerate(texts)) + "\n")
     corpus = load_hf_dataset(str(path), text_field="content")
