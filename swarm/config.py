@@ -13,6 +13,7 @@ from typing import List, Optional, Union
 
 from swarm.local_training import OptimizerConfig
 from swarm.model import ModelConfig
+from swarm.policy.aggregation import AggregationConfig
 from swarm.policy.rebalance import RebalanceConfig
 from swarm.records import validate_run_id
 
@@ -38,6 +39,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     allowlist: List[str] = field(default_factory=list)  # peer ids allowed in a private run; empty = anyone may join
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)  # how replicas combine gradients (with defences on)
+    defences: bool = True  # Byzantine defences (robust averaging, state checks, per-micro-batch clipping, verification); off only to measure them
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -144,10 +147,16 @@ class TrainerConfig:
     peer_grace_s: float = 5.0  # seconds a peer must be missing from the DHT before its unconfirmed work is re-sent
     log_period_s: float = 5.0  # seconds between progress lines
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
+    attack: str = "none"  # emulate a poisoning trainer (tests and attack benchmarks): one of swarm.client.attacks.ATTACKS
+    verify_fraction: float = 0.02  # probability (0-1) per micro-batch and stage of re-checking that stage's reply on a second replica (with defences on)
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
+        from swarm.client.attacks import ATTACKS
+
+        if self.attack not in ATTACKS:
+            raise ValueError(f"attack must be one of {list(ATTACKS)}, got {self.attack!r}")
         for name in ("batch_size", "max_in_flight", "max_retries", "max_uncommitted"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -155,6 +164,8 @@ class TrainerConfig:
             _positive(name, getattr(self, name))
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction!r}")
         if self.duration_s is not None:
             _positive("duration_s", self.duration_s)
 

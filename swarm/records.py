@@ -1,8 +1,8 @@
 """Typed DHT records: what peers and trainers announce about themselves, and who may write them.
 
-Layout: one DHT key per stage (``stage_key``), one for trainers (``trainers_key``) and one for the
-run's manifest (``manifest_key``). Every record is stored under the subkey of its owner,
-``[owner:<RSA public key>]``, and signed with that key (hivemind's ``RSASignatureValidator``); the
+Layout: one DHT key per stage (``stage_key``), one for trainers (``trainers_key``), one for the
+run's manifest (``manifest_key``) and one for trainers' accusations of replicas (``accusations_key``).
+Every record is stored under the subkey of its owner, ``[owner:<RSA public key>]``, and signed with that key (hivemind's ``RSASignatureValidator``); the
 owner's key is also its libp2p identity, so a record whose ``peer_id``/``trainer_id`` is not the
 peer id of the key that signed it is a forgery (``check_record``). ``run_schema_validator`` makes
 every run key a dictionary of owner subkeys holding bounded values, so nodes that run it (every
@@ -34,10 +34,12 @@ from swarm.policy.snapshot import PeerInfo
 __all__ = [
     "PeerRecord",
     "TrainerRecord",
+    "AccusationRecord",
     "RecordVerdict",
     "stage_key",
     "trainers_key",
     "manifest_key",
+    "accusations_key",
     "validate_run_id",
     "owner_public_key",
     "check_record",
@@ -61,6 +63,7 @@ MAX_STAGES = 4096
 MAX_COUNT = 2**53  # samples and steps: far above any run, small enough for every JSON reader
 MAX_ID_LENGTH = 64  # base58 libp2p peer ids are 46 (RSA) to 52 characters
 CONTRIBUTION_WINDOW = 64  # steps covered by PeerRecord.contributed_bits
+MAX_EXCLUDED = 4  # banned stage-mates a PeerRecord lists (the record must stay under the DHT's value size)
 MAX_MANIFEST_PAYLOAD_BYTES = 16384
 MAX_KEY_MATERIAL_BYTES = 2048  # an OpenSSH RSA-4096 public key or base64 signature fits
 R = TypeVar("R", bound=BaseModel)
@@ -83,6 +86,10 @@ def trainers_key(run_id: str) -> str:
 
 def manifest_key(run_id: str) -> str:
     return f"{run_id}_manifest"
+
+
+def accusations_key(run_id: str) -> str:
+    return f"{run_id}_accusations"
 
 
 class _Record(BaseModel):
@@ -110,6 +117,13 @@ class PeerRecord(_Record):
     contributed_base: int = Field(default=0, ge=0, le=MAX_COUNT)
     contributed_bits: int = Field(default=0, ge=0, lt=2**CONTRIBUTION_WINDOW)
     run_hash: str = Field(default="", max_length=16)  # hash of the run settings: tells runs apart
+    # stage-mates this replica banned from averaging (for lying), comma-separated, most recent first: trainers
+    # stop sending work to a replica that most of its stage-mates banned
+    excluded: str = Field(default="", max_length=MAX_EXCLUDED * (MAX_ID_LENGTH + 1))
+
+    @property
+    def excluded_peers(self) -> List[str]:
+        return [p for p in self.excluded.split(",") if p][:MAX_EXCLUDED]
 
     def contributed_to(self, step: int) -> Optional[bool]:
         """Whether this replica's gradients were included in global step ``step`` (0-based, as
@@ -131,6 +145,24 @@ class TrainerRecord(_Record):
     loss: Optional[float] = Field(default=None, ge=-1e9, le=1e9, allow_inf_nan=False)
     samples_per_s: float = Field(ge=0.0, le=1e12, allow_inf_nan=False)
     tokens_per_s: float = Field(ge=0.0, le=1e15, allow_inf_nan=False)
+
+
+class AccusationRecord(_Record):
+    """A trainer's latest accusation: a replica's reply was outvoted by two others at the same step.
+
+    Evidence, not a verdict: readers check the accused themselves (:mod:`swarm.policy.verification`).
+    Hashes are :func:`swarm.policy.verification.fingerprint` values; the record stays under 1 KB."""
+
+    trainer_id: str = Field(min_length=1, max_length=MAX_ID_LENGTH)  # the author, who signed it
+    accused: str = Field(min_length=1, max_length=MAX_ID_LENGTH)  # the outvoted replica
+    witness: str = Field(min_length=1, max_length=MAX_ID_LENGTH)  # a replica whose reply outvoted it
+    referee: str = Field(min_length=1, max_length=MAX_ID_LENGTH)  # the other one
+    stage: int = Field(ge=0, lt=MAX_STAGES)
+    method: Literal["forward", "backward"]
+    step: int = Field(ge=0, le=MAX_COUNT)  # the step of the parameters all three replies were computed with
+    inputs_hash: str = Field(min_length=1, max_length=32)  # hash of the request (inputs, grad_outputs, targets)
+    accused_hash: str = Field(min_length=1, max_length=32)  # hash of the accused replica's reply
+    witness_hash: str = Field(min_length=1, max_length=32)  # hash of the witness's reply
 
 
 def update_contributed(base: int, bits: int, step: int, included: bool) -> Tuple[int, int]:
@@ -281,12 +313,13 @@ def _wire_model(model: Type[BaseModel]) -> Type[pydantic_v1.BaseModel]:
 
 _PEER_WIRE = _wire_model(PeerRecord)
 _TRAINER_WIRE = _wire_model(TrainerRecord)
+_ACCUSATION_WIRE = _wire_model(AccusationRecord)
 
 
 def run_schema(num_stages: int) -> Type[pydantic_v1.BaseModel]:
     """The DHT schema of a run, its fields named as the keys without the ``run_id + '_'`` prefix
-    (``stage_key``, ``trainers_key``, ``manifest_key``):
-    ``stage0``..``stage{num_stages-1}``, ``trainers``, ``manifest``; each a dictionary from owner
+    (``stage_key``, ``trainers_key``, ``manifest_key``, ``accusations_key``):
+    ``stage0``..``stage{num_stages-1}``, ``trainers``, ``manifest``, ``accusations``; each a dictionary from owner
     subkeys to a record (or None, a withdrawn record)."""
     if not isinstance(num_stages, int) or not 1 <= num_stages <= MAX_STAGES:
         raise ValueError(f"num_stages must be an integer in 1..{MAX_STAGES}, got {num_stages!r}")
@@ -294,6 +327,7 @@ def run_schema(num_stages: int) -> Type[pydantic_v1.BaseModel]:
         f"stage{stage}": (Dict[BytesWithPublicKey, Optional[_PEER_WIRE]], None) for stage in range(num_stages)}
     fields["trainers"] = (Dict[BytesWithPublicKey, Optional[_TRAINER_WIRE]], None)
     fields["manifest"] = (Dict[BytesWithPublicKey, Optional[_ManifestWire]], None)
+    fields["accusations"] = (Dict[BytesWithPublicKey, Optional[_ACCUSATION_WIRE]], None)
     return pydantic_v1.create_model(f"RunSchema{num_stages}", __base__=_WireSchema, **fields)
 
 

@@ -9,7 +9,9 @@ retried on another replica of the same stage, a bounded number of times.
 Every reply is checked (:func:`check_reply`) the moment it arrives, before anything uses it: a
 replica that sends a malformed, wrongly shaped or non-finite reply is banned and the call goes
 to another replica, so a bad output of stage k is blamed on stage k's replica, never on the
-replica of stage k+1 that would have received it.
+replica of stage k+1 that would have received it. A wrong but well-formed reply passes these
+checks; with defences on, the trainer's :class:`swarm.client.verification.ReplyVerifier` spot-checks
+replies on other replicas and hands back the majority's reply where the first one was outvoted.
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_logger
 
+from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
 from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.rpc import RemoteError, call_peer
+
+if TYPE_CHECKING:
+    from swarm.client.verification import ReplyVerifier
 
 __all__ = ["PipelineClient", "StageUnavailable", "Unauthorized", "BadReply", "FailureVerdict", "check_reply",
            "judge_failure", "HIDDEN_DTYPE"]
@@ -156,6 +162,8 @@ class PipelineClient:
         self.forward_timeout_s, self.backward_timeout_s, self.max_retries = forward_timeout_s, backward_timeout_s, max_retries
         self.on_stale_snapshot = on_stale_snapshot or (lambda: None)
         self.busy_pause_s = busy_pause_s
+        self.verifier: Optional[ReplyVerifier] = None  # spot-checks replies on other replicas (set by the trainer)
+        self.attack = TrainerAttack()  # what an emulated poisoning trainer does to its gradients (set by the trainer)
 
     async def call_stage(self, stage: int, method: str, message: Dict[str, Any], timeout: float) -> Tuple[Dict[str, Any], str]:
         """Call ``method`` on some replica of ``stage``; returns a checked reply and the replica's peer id."""
@@ -172,18 +180,52 @@ class PipelineClient:
                 self.on_stale_snapshot()
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
                 continue
-            started = time.monotonic()
             try:
-                reply = await call_peer(self.p2p, PeerID.from_base58(peer.peer_id), method, {**message, "stage": stage},
-                                        timeout=timeout, max_reply_bytes=self._reply_limit(message))
-                self._check(peer.peer_id, stage, method, message, reply)
+                reply = await self._attempt(peer.peer_id, stage, method, message, timeout)
             except Exception as e:  # timeouts, dead peers, broken streams, error replies, bad replies
                 errors.append(self._on_failure(peer.peer_id, stage, method, e, first=not errors))
                 tried.append(peer.peer_id)
                 continue
-            self.router.report_success(peer.peer_id, _samples(message), time.monotonic() - started)
             return reply, peer.peer_id
         raise StageUnavailable(_summary(stage, method, self.max_retries, errors, no_peer))
+
+    async def _attempt(self, peer_id: str, stage: int, method: str, message: Dict[str, Any],
+                       timeout: float) -> Dict[str, Any]:
+        """One call to one replica; returns its checked reply, raises whatever went wrong."""
+        started = time.monotonic()
+        reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
+                                timeout=timeout, max_reply_bytes=self._reply_limit(message))
+        self._check(peer_id, stage, method, message, reply)
+        self.router.report_success(peer_id, _samples(message), time.monotonic() - started)
+        return reply
+
+    def choose_replica(self, stage: int, exclude: Collection[str]) -> Optional[str]:
+        """A replica of ``stage`` other than ``exclude``, drawn as calls are; None if there is none."""
+        candidates = [p for p in self.snapshot() if p.stage == stage]
+        try:
+            return self.router.choose(candidates, time.monotonic(), exclude=exclude).peer_id
+        except NoPeerAvailable:
+            return None
+
+    async def call_replica(self, peer_id: str, stage: int, method: str, message: Dict[str, Any],
+                           timeout: float) -> Optional[Dict[str, Any]]:
+        """Call one given replica once (no retries); its checked reply, or None if the call failed (the
+        replica is then treated as after any failed call: banned, or set aside if busy)."""
+        try:
+            return await self._attempt(peer_id, stage, method, message, timeout)
+        except Exception as e:
+            try:
+                self._on_failure(peer_id, stage, method, e, first=True)
+            except Unauthorized as refused:
+                logger.warning(str(refused))
+            return None
+
+    async def _verified(self, stage: int, method: str, message: Dict[str, Any], reply: Dict[str, Any],
+                        peer_id: str, timeout: float) -> Dict[str, Any]:
+        """The reply to use: ``reply``, or the majority's where a spot check outvoted ``peer_id``."""
+        if self.verifier is None:
+            return reply
+        return await self.verifier.check(stage, method, message, reply, peer_id, timeout)
 
     def _reply_limit(self, message: Mapping[str, Any]) -> int:
         """Bytes a reply may take: twice the largest tensor a valid reply holds (the stage's inputs or
@@ -237,13 +279,15 @@ class PipelineClient:
         """Forward and backward of one micro-batch; every stage's contribution goes into the ledger."""
         stage_inputs = [inputs]
         for stage in range(self.num_stages - 1):
-            reply, _ = await self.call_stage(stage, "forward", {"inputs": stage_inputs[-1]}, self.forward_timeout_s)
+            message = {"inputs": stage_inputs[-1]}
+            reply, peer_id = await self.call_stage(stage, "forward", message, self.forward_timeout_s)
+            reply = await self._verified(stage, "forward", message, reply, peer_id, self.forward_timeout_s)
             stage_inputs.append(reply["outputs"])
         last = self.num_stages - 1
         item = Contribution(micro_batch_id, last, "", 0, int(inputs.shape[0]), stage_inputs[last], None, targets)
         reply = await self.backward(item)
         loss = float(reply["loss"])
-        grad = reply.get("grad_inputs")
+        grad = self.attack.last_grad_inputs(reply.get("grad_inputs"))
         for stage in reversed(range(last)):
             item = Contribution(micro_batch_id, stage, "", 0, int(inputs.shape[0]), stage_inputs[stage], grad, None)
             grad = (await self._backward_persistently(item)).get("grad_inputs")
@@ -271,10 +315,10 @@ class PipelineClient:
         reply, peer_id = await self.call_stage(item.stage, "backward", message, self.backward_timeout_s)
         if resend:
             self.ledger.resent(item, peer_id, reply["step"])
-        else:
-            item.peer_id, item.step = peer_id, reply["step"]
-            self.ledger.add(item)
-        return reply
+            return reply
+        item.peer_id, item.step = peer_id, reply["step"]
+        self.ledger.add(item)
+        return await self._verified(item.stage, "backward", message, reply, peer_id, self.backward_timeout_s)
 
 
 def _samples(message: Mapping[str, Any]) -> int:

@@ -6,6 +6,8 @@ Runs in one asyncio loop: ``max_in_flight`` workers each push micro-batches thro
 were lost and, in the background, asks a stage's replicas which peers a step averaged when the
 replica that took a contribution can no longer say. No reply, and no failure of one
 micro-batch, ends the trainer: a worker logs the failure and goes on with the next one.
+With the run's defences on, a :class:`ReplyVerifier` spot-checks replies on other replicas, publishes
+accusations of replicas it outvotes, and every ``ACCUSATIONS_PERIOD_S`` reads other trainers' accusations.
 """
 
 from __future__ import annotations
@@ -25,15 +27,19 @@ from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
 from swarm.agreement import RunFilter, check_run_agreement
+from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger, LedgerPolicy, StepKey, parse_step_members
 from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
+from swarm.client.verification import ReplyVerifier
 from swarm.config import TrainerConfig
 from swarm.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
 from swarm.dht import start_run_dht
-from swarm.dht_io import fetch_stage_records, store_record
+from swarm.dht_io import fetch_records, fetch_stage_records, store_record
+from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
-from swarm.records import PeerRecord, TrainerRecord, to_peer_infos, trainers_key
+from swarm.policy.verification import VerificationPolicy
+from swarm.records import AccusationRecord, PeerRecord, TrainerRecord, accusations_key, to_peer_infos, trainers_key
 from swarm.rpc import RemoteError, call_peer
 
 __all__ = ["Trainer", "TrainerMetrics", "load_trainer_corpus"]
@@ -42,6 +48,8 @@ logger = get_logger(__name__)
 LOST_AFTER_GRACES = 4  # a gone replica whose step nobody knows is taken as lost after this many peer_grace_s
 MEMBERS_TIMEOUT_S = 5.0  # seconds one step_members call may take
 _NO_ANSWER = object()  # a replica that did not answer step_members (as opposed to "unknown step": None)
+ACCUSATIONS_PERIOD_S = 5.0  # seconds between reads of the run's accusations
+ACCUSATION_EXPIRATION_S = 300.0  # seconds an accusation stays in the DHT
 
 
 def load_trainer_corpus(config: TrainerConfig) -> Corpus:
@@ -92,6 +100,7 @@ class Trainer:
         self.ledger = Ledger(LedgerPolicy(config.peer_grace_s, LOST_AFTER_GRACES * config.peer_grace_s))
         self.records: Dict[str, PeerRecord] = {}
         self._snapshot: Tuple[PeerInfo, ...] = ()
+        self._shunned: Set[str] = set()  # replicas most of whose stage-mates banned them from averaging
         self._refresh_now = asyncio.Event()
         self._resending: Set[Tuple[str, int]] = set()
         self._asking: Set[StepKey] = set()
@@ -102,6 +111,7 @@ class Trainer:
         self._tasks: List[asyncio.Task] = []
         # a random start, so that a restarted trainer with the same identity never reuses a micro-batch id
         self._ids = itertools.count(secrets.randbits(64))
+        self.attack = TrainerAttack(config.attack, config.trainer_seed)  # honest unless emulating a poisoner
 
     @property
     def trainer_id(self) -> str:
@@ -120,8 +130,15 @@ class Trainer:
             p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed), self.ledger,
             model=self.run.model, forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
             max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set)
+        self.client.attack = self.attack
+        if self.run.defences:
+            self.client.verifier = ReplyVerifier(
+                self.client, VerificationPolicy(verify_fraction=self.config.verify_fraction), self.trainer_id,
+                announced_steps=self._announced_steps, publish=self._publish_accusation, seed=self.config.trainer_seed)
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
+        if self.client.verifier is not None:
+            self._tasks.append(asyncio.create_task(self._accusations_loop()))
 
     async def refresh(self) -> None:
         """Read the swarm's peers from the DHT and settle the ledger with what they say.
@@ -132,8 +149,22 @@ class Trainer:
             self.records = await self._fetch_records(strict=True)
         except LookupError:
             return
-        self._snapshot = to_peer_infos(self.records, self.run.num_stages)
+        self._snapshot = to_peer_infos(self._routable(self.records), self.run.num_stages)
         self._settle(time.monotonic())
+
+    def _routable(self, records: Dict[str, PeerRecord]) -> Dict[str, PeerRecord]:
+        """The records minus replicas that most of their stage-mates banned from averaging: such a replica
+        would take work whose gradients never reach the stage's parameters."""
+        if not self.run.defences:
+            return records
+        shunned: Set[str] = set()
+        for stage in range(self.run.num_stages):
+            shunned |= banned_by_majority({r.peer_id: r.excluded_peers for r in records.values()
+                                           if r.stage == stage and r.state == "online"})
+        for peer_id in sorted(shunned - self._shunned):
+            logger.warning(f"not routing to peer {peer_id}: most of its stage-mates banned it from averaging")
+        self._shunned = shunned
+        return {key: record for key, record in records.items() if record.peer_id not in shunned}
 
     async def _fetch_records(self, strict: bool) -> Dict[str, PeerRecord]:
         """The run's peer records; peers that announce other run settings are left out."""
@@ -214,6 +245,23 @@ class Trainer:
             except Exception:
                 logger.exception("refreshing the swarm snapshot failed")
 
+    def _announced_steps(self, stage: int) -> List[int]:
+        return [r.step for r in self.records.values() if r.stage == stage and r.state == "online"]
+
+    async def _publish_accusation(self, record: AccusationRecord) -> None:
+        await store_record(self.dht, accusations_key(self.run.run_id), record, expiration_s=ACCUSATION_EXPIRATION_S)
+
+    async def _accusations_loop(self) -> None:
+        """Read the run's accusations now and every ``ACCUSATIONS_PERIOD_S``; the verifier judges them."""
+        while True:
+            try:
+                accusations = await fetch_records(self.dht, accusations_key(self.run.run_id), AccusationRecord,
+                                                  timeout=ACCUSATIONS_PERIOD_S)
+                self.client.verifier.consider(accusations, time.monotonic())
+            except Exception:
+                logger.exception("reading the run's accusations failed")
+            await asyncio.sleep(ACCUSATIONS_PERIOD_S)
+
     def _done(self, deadline: float) -> bool:
         max_samples = self.config.max_samples
         return (max_samples is not None and self._reserved >= max_samples) or time.monotonic() >= deadline
@@ -247,7 +295,7 @@ class Trainer:
                 batch = min(batch, self.config.max_samples - self._reserved)
             self._reserved += batch
             inputs, targets = self.sampler.sample()
-            inputs, targets = inputs[:batch], targets[:batch]
+            inputs, targets = inputs[:batch], self.attack.targets(targets[:batch])
             micro_batch_id = f"{self.trainer_id}:{next(self._ids)}"
             try:
                 loss = await self.client.train_step(micro_batch_id, inputs, targets)

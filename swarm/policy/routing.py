@@ -135,6 +135,7 @@ class Router:
         self.measure_window, self.measure_quantile = measure_window, measure_quantile
         self._rng = random.Random(seed)
         self._banned_until: Dict[str, float] = {}
+        self._distrusted_until: Dict[str, float] = {}  # bans for proven misbehaviour: no success lifts them
         self._num_failures: Dict[str, int] = {}
         self._costs_s: Dict[str, Deque[float]] = {}  # peer id -> wall seconds per sample of its latest successful calls
         self._measured: Dict[str, float] = {}  # peer id -> samples/s: the measurement routing uses
@@ -158,9 +159,10 @@ class Router:
         The simulator's fluid model routes expected flows with these instead of drawing
         every micro-batch; returns ``[]`` where :meth:`choose` would raise.
         """
-        banned_until = self._banned_until  # is_banned, inlined: this runs for every micro-batch
+        banned_until, distrusted_until = self._banned_until, self._distrusted_until  # is_banned, inlined: hot path
         eligible = [peer for peer in candidates if peer.state == "online" and peer.peer_id not in exclude
-                    and not now < banned_until.get(peer.peer_id, -math.inf)]
+                    and not now < banned_until.get(peer.peer_id, -math.inf)
+                    and not now < distrusted_until.get(peer.peer_id, -math.inf)]
         if not eligible:
             return []
         throughputs = effective_throughputs(
@@ -184,6 +186,13 @@ class Router:
             raise ValueError(f"duration_s must be a finite number >= 0, got {duration_s!r}")
         self._banned_until[peer_id] = max(self._banned_until.get(peer_id, -math.inf), now + duration_s)
         return duration_s
+
+    def distrust(self, peer_id: str, now: float, duration_s: float) -> None:
+        """Ban ``peer_id`` for ``duration_s`` for proven misbehaviour (a reply outvoted by other replicas).
+        Unlike :meth:`ban`, a later success does not lift it: calls sent before the ban may still succeed."""
+        if not (math.isfinite(duration_s) and duration_s >= 0):
+            raise ValueError(f"duration_s must be a finite number >= 0, got {duration_s!r}")
+        self._distrusted_until[peer_id] = max(self._distrusted_until.get(peer_id, -math.inf), now + duration_s)
 
     def report_success(self, peer_id: str, samples: int = 0, elapsed_s: float = 0.0) -> None:
         """The peer served a request: forget its failures, so its next ban starts short, and, given
@@ -209,14 +218,15 @@ class Router:
         return self._measured.get(peer_id, 0.0)
 
     def is_banned(self, peer_id: str, now: float) -> bool:
-        """Whether ``peer_id`` is still serving a ban at time ``now``."""
-        until = self._banned_until.get(peer_id)
-        return until is not None and now < until
+        """Whether ``peer_id`` is still serving a ban (or a :meth:`distrust`) at time ``now``."""
+        until = max(self._banned_until.get(peer_id, -math.inf), self._distrusted_until.get(peer_id, -math.inf))
+        return now < until
 
     def forget(self, peer_id: str) -> None:
         """Drop all state about a peer (e.g. its DHT record expired), bounding memory."""
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
+        self._distrusted_until.pop(peer_id, None)
         self._costs_s.pop(peer_id, None)
         self._measured.pop(peer_id, None)
 

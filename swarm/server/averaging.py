@@ -5,6 +5,12 @@ per stage peer, one group prefix per stage, the group key bits set to the step b
 averaged so that replicas at different steps never meet in one group. State sharing hands a
 joining replica the parameters, AdamW moments and step through hivemind's download RPC.
 
+With ``aggregation`` set (the run's defences on), a group's round is :class:`RobustRound`: every member
+holds every groupmate's whole signed gradient and combines them with CenteredClip itself, so no member
+reduces a part for the others; members caught sending non-finite, far-off or two different gradients are
+banned by this averager for ``ban_s`` seconds (their later join requests and parts are refused). Without
+it, hivemind's butterfly all-reduce computes the weighted mean.
+
 In a private run (a non-empty allowlist) the averager deals only with allowlisted peers: it refuses
 join requests, tensor parts and state downloads from anyone else (hivemind's averaging RPCs have
 no access control of their own), never asks an outsider to lead its group, and refuses to average
@@ -14,22 +20,46 @@ in a group that contains one.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+import time
+from concurrent.futures import InvalidStateError
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from hivemind import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_logger
+from hivemind.utils import MPFuture, get_logger
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+
+from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.auth import Allowlist
+from swarm.policy.aggregation import Aggregate, AggregationConfig
+from swarm.server.faults import GradientFault
+from swarm.server.robust_allreduce import RobustRound
 
-__all__ = ["StageAverager", "step_group_bits"]
+__all__ = ["StageAverager", "RoundResult", "step_group_bits"]
 
 logger = get_logger(__name__)
 GROUP_BITS = 16
+OUTCOME_KEY = "swarm.robust_outcome"  # where a robust round's outcome travels back with the gathered metadata
+
+
+class RoundResult:
+    """What one averaging round gave: the combined gradient, the groupmates' gathered metadata, and (for a
+    robust round) who went in, who was left out and why, and who got banned."""
+
+    def __init__(self, tensors: List[torch.Tensor], gathered: Dict[str, Any], outcome: Optional[Dict[str, Any]]):
+        self.tensors, self.gathered = tensors, gathered
+        self.included: List[str] = list(outcome["included"]) if outcome else sorted(gathered)
+        self.weights: Dict[str, float] = dict(outcome["weights"]) if outcome else {}
+        self.excluded: Dict[str, str] = dict(outcome["excluded"]) if outcome else {}
+        self.banned: Dict[str, str] = dict(outcome["banned"]) if outcome else {}
+        self.tau: float = float(outcome["tau"]) if outcome else 0.0
 
 
 def step_group_bits(step: int) -> str:
@@ -45,10 +75,19 @@ class StageAverager(DecentralizedAverager):
     """
 
     def __init__(self, grad_shapes: Sequence[torch.Tensor], state_fn: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]],
-                 allowlist: Iterable[str] = (), **kwargs: Any):
+                 allowlist: Iterable[str] = (), aggregation: Optional[AggregationConfig] = None,
+                 signing_key: Optional[RSAPrivateKey] = None, ban_s: float = 3600.0, max_samples: Optional[float] = None,
+                 fault: str = "none", **kwargs: Any):
         self._state_fn = state_fn
         self._allowlist = Allowlist.of(allowlist)
         self._refused: Set[str] = set()  # outsiders already logged, so each gets one warning
+        if aggregation is not None and signing_key is None:
+            raise ValueError("robust aggregation signs every contribution: it needs the peer's signing_key")
+        self._aggregation, self._signing_key = aggregation, signing_key
+        self._ban_s, self._max_samples = ban_s, max_samples
+        self._banned: Dict[str, float] = {}  # peer id -> time.monotonic() until which it is banned (averager process)
+        self._fault = GradientFault(fault)
+        self._outcomes: Dict[bytes, Aggregate] = {}
         # float64: hivemind applies the average as ``x_i + (avg - x_i)``, which rounds differently on
         # each replica; in float64 the rounding error stays far below float32 resolution, so the
         # replicas' float32 results agree (and the parameter digest catches the rare case they don't)
@@ -59,12 +98,13 @@ class StageAverager(DecentralizedAverager):
         return metadata, tensors, None
 
     async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
-                      matchmaking_timeout: float, timeout: float) -> Optional[Tuple[List[torch.Tensor], Dict[str, Any]]]:
-        """One all-reduce round for ``step``: returns (averaged grads, gathered metadata by peer) or None on failure.
+                      matchmaking_timeout: float, timeout: float) -> Optional[RoundResult]:
+        """One averaging round for ``step``: the combined gradients and who contributed, or None on failure.
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
         quickly that a replica died and go on without it."""
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
+        mean_grads = self._fault.corrupt(list(mean_grads))  # an emulated attacker lies here; honest peers send theirs
         with self.get_tensors() as tensors:
             for dst, src in zip(tensors, mean_grads):
                 dst.copy_(src.to(torch.float64))
@@ -77,13 +117,21 @@ class StageAverager(DecentralizedAverager):
             return None
         if not gathered:
             return None
+        gathered = dict(gathered)
+        outcome = gathered.pop(OUTCOME_KEY, None)
         with self.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors]
-        return averaged, {str(peer): data for peer, data in gathered.items()}
+        return RoundResult(averaged, {str(peer): data for peer, data in gathered.items()}, outcome)
 
     # ---- private runs: every check below runs in the averager's process ----
 
+    def _is_banned(self, peer_id: PeerID) -> bool:
+        until = self._banned.get(str(peer_id))
+        return until is not None and until > time.monotonic()
+
     def _allowed(self, peer_id: PeerID, what: str) -> bool:
+        if self._is_banned(peer_id):
+            return False
         if self._allowlist.allows(peer_id):
             return True
         if str(peer_id) not in self._refused:
@@ -119,10 +167,10 @@ class StageAverager(DecentralizedAverager):
         await super()._step(**kwargs)
 
     def _follow_only_allowed_leaders(self) -> None:
-        """Make matchmaking skip leaders outside the allowlist: joining one would only end in a
-        group this averager refuses (see ``_aggregate_with_group``)."""
+        """Make matchmaking skip leaders outside the allowlist or banned: joining one would only end in a
+        group this averager refuses (see ``_aggregate_with_group``) or whose leader it does not trust."""
         matchmaking = self._matchmaking
-        if self._allowlist.is_open or getattr(matchmaking, "_swarm_guarded", False):
+        if getattr(matchmaking, "_swarm_guarded", False):
             return
         request_join_group = matchmaking._request_join_group
 
@@ -145,4 +193,115 @@ class StageAverager(DecentralizedAverager):
                 pending.exception()  # retrieved here, so asyncio does not report it as never retrieved
             logger.warning(str(error))
             raise error
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        outcome = self._outcomes.pop(group_info.group_id, None)
+        if outcome is not None:
+            gathered = dict(gathered)
+            gathered[OUTCOME_KEY] = {"included": outcome.included, "weights": outcome.weights,
+                                     "excluded": outcome.excluded, "banned": outcome.banned, "tau": outcome.tau}
+        return gathered
+
+    async def _declare_for_download_periodically(self) -> None:
+        """hivemind advertises state sharing under its own DHT key for its downloader; with the defences on,
+        joiners choose whom to download from by the stage's signed records instead, so nothing is declared."""
+        if self._aggregation is None:
+            await super()._declare_for_download_periodically()
+
+    # ---- robust rounds: every check below runs in the averager's process ----
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id: Optional[bytes] = None, **kwargs: Any) -> None:
+        if self._aggregation is None:
+            return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
+        group_id = group_info.group_id if group_id is None else group_id
+        now = time.monotonic()
+        self._banned = {peer: until for peer, until in self._banned.items() if until > now}
+        vector = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
+        round_ = RobustRound(
+            stub_for=lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), group_id=group_id,
+            peer_ids=group_info.peer_ids, peer_id=self.peer_id, vector=vector, samples=float(kwargs.get("weight") or 0.0),
+            key=self._signing_key, config=self._aggregation, banned=set(self._banned),
+            timeout=0.8 * (self._allreduce_timeout or 30.0), chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
+            max_samples=self._max_samples,
+            send_override=self._fault.send_override())
+        self._running_groups[group_id].set_result(round_)
+        outcome = await round_.run()
+        for peer in outcome.banned:
+            self._banned[peer] = time.monotonic() + self._ban_s
+        if outcome.vector is None:
+            raise MatchmakingException("robust averaging had no usable contribution")
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(outcome.vector[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+        self._outcomes[group_id] = outcome
+
+    # ---- downloading the state of chosen replicas: load_state_from runs in the peer's process, ----
+    # ---- the methods after it in the averager's process ----
+
+    def load_state_from(self, peer_ids: Sequence[str], timeout: float, max_bytes: Optional[int] = None,
+                        wait: bool = True) -> Union[Optional[Tuple[str, Any, List[torch.Tensor]]], MPFuture]:
+        """Download the state of the first of ``peer_ids`` (asked one at a time, in order) that sends one.
+
+        Returns (peer id, metadata, tensors), or None when none of them did; with ``wait=False``, a
+        future of that (awaitable). ``timeout``: seconds one replica's download may take; ``max_bytes``:
+        the most bytes taken from one replica (None = no bound). Nothing here checks the values: the
+        caller decides whether to keep them (unlike ``load_state_from_peers``, which asks whichever
+        replica declares the highest priority)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_load_state_from", [], dict(
+            peer_ids=[str(peer_id) for peer_id in peer_ids], timeout=float(timeout), max_bytes=max_bytes, future=future)))
+        return future.result(timeout=timeout * len(peer_ids) + 5) if wait else future
+
+    async def _load_state_from(self, peer_ids: List[str], timeout: float, max_bytes: Optional[int],
+                               future: MPFuture) -> None:
+        try:
+            for peer_id in peer_ids:
+                if future.done():  # the caller stopped waiting
+                    return
+                try:
+                    state = await asyncio.wait_for(self._download_state_of(PeerID.from_base58(peer_id), max_bytes),
+                                                   timeout=timeout)
+                except Exception as e:
+                    logger.warning(f"state download from {peer_id} failed: {type(e).__name__}: {e}")
+                    continue
+                if state is None:
+                    logger.info(f"{peer_id} sent no state (it does not share it, or refused us)")
+                    continue
+                self._resolve(future, (peer_id, *state))
+                return
+        finally:
+            self._resolve(future, None)
+
+    @staticmethod
+    def _resolve(future: MPFuture, result: Any) -> None:
+        if future.done():
+            return
+        try:
+            future.set_result(result)
+        except InvalidStateError:  # the caller cancelled it meanwhile
+            pass
+
+    async def _download_state_of(self, peer: PeerID, max_bytes: Optional[int]) -> Optional[Tuple[Any, List[torch.Tensor]]]:
+        """(metadata, tensors) as ``peer`` streams them, or None if it sent no metadata; a part that takes
+        longer than ``next_chunk_timeout`` to come, or more than ``max_bytes`` in all, ends the download."""
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts, received = None, [], [], 0
+        try:
+            async for message in aiter_with_timeout(stream, self.next_chunk_timeout or self.request_timeout):
+                received += len(message.tensor_part.buffer) + len(message.metadata)
+                if max_bytes is not None and received > max_bytes:
+                    raise ValueError(f"the state exceeds {max_bytes} bytes")
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # a part naming its dtype starts the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+        finally:
+            if hasattr(stream, "aclose"):
+                await stream.aclose()
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return None if metadata is None else (metadata, tensors)

@@ -3,6 +3,7 @@
 A checkpoint holds what a joining replica would download from a live one (parameters, AdamW
 moments, step) plus the run id, so a peer never restores another run's or another stage's state.
 Writes are atomic (temporary file, then rename): a peer killed mid-write leaves the last good one.
+A state with a NaN or infinite value is never written (the last good file stays) and never restored.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -18,7 +19,7 @@ from hivemind.utils import get_logger
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
 
-__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint", "Checkpointer"]
+__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint", "non_finite_indices", "Checkpointer"]
 
 logger = get_logger(__name__)
 
@@ -27,7 +28,16 @@ def checkpoint_path(directory: str, run_id: str, stage: int) -> Path:
     return Path(directory) / f"{run_id}_stage{stage}.pt"
 
 
+def non_finite_indices(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """The positions of the tensors that hold a NaN or infinite value."""
+    return [i for i, t in enumerate(tensors) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def save_checkpoint(path: Path, run_id: str, metadata: Dict[str, int], tensors: List[torch.Tensor]) -> None:
+    """Write the state atomically; ValueError (and the file at ``path`` untouched) if any value is not finite."""
+    bad = non_finite_indices(tensors)
+    if bad:
+        raise ValueError(f"tensors {bad[:5]} hold NaN or infinite values")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save({"run_id": run_id, "metadata": dict(metadata), "tensors": tensors}, tmp)
@@ -48,6 +58,11 @@ def load_checkpoint(path: Path, run_id: str, stage: int) -> Optional[Tuple[Dict[
     metadata, tensors = payload.get("metadata"), payload.get("tensors")
     if not isinstance(metadata, dict) or metadata.get("stage") != stage or not isinstance(tensors, list):
         raise ValueError(f"checkpoint {path} does not hold stage {stage}")
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"checkpoint {path} is corrupt: its state holds something other than tensors")
+    bad = non_finite_indices(tensors)
+    if bad:
+        raise ValueError(f"checkpoint {path} holds NaN or infinite values (tensors {bad[:5]}); refusing to restore it")
     return metadata, tensors
 
 
@@ -77,7 +92,12 @@ class Checkpointer:
         if path is None or peer.runner is None or peer.state != "online":
             return None
         metadata, tensors = await peer.compute(peer.shared_state)
-        await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, path, peer.run.run_id, metadata, tensors)
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, path, peer.run.run_id, metadata, tensors)
+        except ValueError as e:
+            logger.error(f"stage {peer.stage}: not checkpointing step {metadata.get('step')}: {e}; "
+                         f"keeping the last good checkpoint {path}")
+            return None
         return path
 
     async def run(self) -> None:

@@ -6,13 +6,21 @@ carry on. An honest peer runs with ``fault="none"``, and its replies pass throug
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["FAULTS", "corrupt_reply"]
+__all__ = ["FAULTS", "REPLY_FAULTS", "GRADIENT_FAULTS", "STATE_FAULTS", "corrupt_reply", "GradientFault",
+           "corrupt_state"]
 
-FAULTS = ("none", "non_numeric_loss", "nan_loss", "nan_outputs", "wrong_shape_outputs", "missing_step")
+# faults of the replies to trainers
+REPLY_FAULTS = ("non_numeric_loss", "nan_loss", "wrong_loss", "nan_outputs", "wrong_shape_outputs", "missing_step",
+                "noisy_outputs", "zero_outputs", "noisy_grad_inputs")
+# faults of what the replica contributes to its stage's averaging
+GRADIENT_FAULTS = ("sign_flip_gradients", "random_gradients", "nan_gradients", "little_is_enough", "equivocate_gradients")
+# faults of the state the replica serves to joiners
+STATE_FAULTS = ("poisoned_state",)
+FAULTS = ("none",) + REPLY_FAULTS + GRADIENT_FAULTS + STATE_FAULTS
 
 
 def corrupt_reply(fault: str, method: str, reply: Dict[str, Any]) -> Dict[str, Any]:
@@ -24,6 +32,8 @@ def corrupt_reply(fault: str, method: str, reply: Dict[str, Any]) -> Dict[str, A
         reply["loss"] = "not a number"
     elif "loss" in reply and fault == "nan_loss":
         reply["loss"] = float("nan")
+    elif "loss" in reply and fault == "wrong_loss":  # finite and plausible: only a recomputation shows it
+        reply["loss"] = 0.5 * float(reply["loss"])
     elif fault == "missing_step" and method == "backward":
         reply.pop("step", None)
     for key in ("outputs", "grad_inputs"):
@@ -34,4 +44,81 @@ def corrupt_reply(fault: str, method: str, reply: Dict[str, Any]) -> Dict[str, A
             reply[key] = torch.full_like(value, float("nan"))
         elif fault == "wrong_shape_outputs":
             reply[key] = value[..., :-1].contiguous() if value.ndim >= 1 and value.shape[-1] > 1 else value.unsqueeze(0)
+        elif (fault, key) in (("noisy_outputs", "outputs"), ("noisy_grad_inputs", "grad_inputs")):
+            reply[key] = _with_noise(value)
+        elif fault == "zero_outputs" and key == "outputs":
+            reply[key] = torch.zeros_like(value)
     return reply
+
+
+def _with_noise(value: torch.Tensor) -> torch.Tensor:
+    """``value`` plus Gaussian noise of half its own standard deviation: finite, of the right scale, wrong."""
+    std = float(value.float().std()) if value.numel() > 1 else 0.0
+    return value + torch.randn_like(value) * (0.5 * std if std > 0 else 1e-3)
+
+
+class GradientFault:
+    """What a replica with one of :data:`GRADIENT_FAULTS` sends to its stage's averaging instead of its gradient.
+
+    ``little_is_enough`` (Baruch et al., 2019) stays inside the honest spread: it sends its gradient moved by
+    ``z`` standard deviations against itself, the deviation estimated from its own recent gradients.
+    ``equivocate_gradients`` sends its true gradient to every other groupmate and a sign-flipped one
+    to the rest (see :meth:`send_override`); it needs a round in which it talks to each groupmate directly."""
+
+    SCALE = 1000.0  # the sign flip and the random direction are this many times the gradient's norm
+    LITTLE_Z = 1.0  # standard deviations the little-is-enough attack moves
+
+    def __init__(self, fault: str = "none", seed: int = 0):
+        self.fault = fault if fault in GRADIENT_FAULTS else "none"
+        self.generator = torch.Generator().manual_seed(seed)
+        self._mean: Optional[List[torch.Tensor]] = None
+        self._square: Optional[List[torch.Tensor]] = None
+
+    def corrupt(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.fault == "sign_flip_gradients":
+            return [-self.SCALE * g for g in grads]
+        if self.fault == "nan_gradients":
+            return [torch.full_like(g, float("nan")) for g in grads]
+        if self.fault == "random_gradients":
+            norm = torch.sqrt(sum(float(g.double().pow(2).sum()) for g in grads) * torch.ones(()))
+            noise = [torch.randn(g.shape, generator=self.generator, dtype=g.dtype) for g in grads]
+            noise_norm = torch.sqrt(sum(float(n.double().pow(2).sum()) for n in noise) * torch.ones(()))
+            return [n * (self.SCALE * norm / noise_norm).to(n.dtype) for n in noise]
+        if self.fault == "little_is_enough":
+            return self._little_is_enough(grads)
+        return grads
+
+    def _little_is_enough(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self._mean is None:
+            self._mean = [g.clone() for g in grads]
+            self._square = [g * g for g in grads]
+        else:
+            self._mean = [0.8 * m + 0.2 * g for m, g in zip(self._mean, grads)]
+            self._square = [0.8 * s + 0.2 * g * g for s, g in zip(self._square, grads)]
+        std = [torch.sqrt(torch.clamp(s - m * m, min=0.0)) for s, m in zip(self._square, self._mean)]
+        std = [torch.where(d > 0, d, g.abs()) for d, g in zip(std, grads)]  # no history yet: the gradient's own size
+        return [g - self.LITTLE_Z * torch.sign(g) * d for g, d in zip(grads, std)]
+
+    def send_override(self) -> Optional[Callable[[int, torch.Tensor], torch.Tensor]]:
+        """For an equivocator: the vector to send to the ``index``-th other member of the group."""
+        if self.fault != "equivocate_gradients":
+            return None
+        return lambda index, vector: vector if index % 2 == 0 else -self.SCALE * vector
+
+
+# standard deviation of the noise a "poisoned_state" replica adds to the parameters it serves
+POISON_NOISE_STD = 1.0
+
+
+def corrupt_state(fault: str, metadata: Dict[str, Any],
+                  tensors: List[torch.Tensor]) -> tuple[Dict[str, Any], List[torch.Tensor]]:
+    """The (metadata, tensors) a replica with ``fault`` serves to replicas that download its state.
+
+    A "poisoned_state" replica adds large noise to the parameters (the first third of the state, as
+    :meth:`StageRunner.state_tensors` lays it out: parameters, two AdamW moments each, the step count)
+    while its record keeps announcing the digest of its true parameters."""
+    if fault != "poisoned_state":
+        return metadata, tensors
+    num_params = (len(tensors) - 1) // 3
+    poisoned = [t + POISON_NOISE_STD * torch.randn_like(t) for t in tensors[:num_params]]
+    return metadata, poisoned + list(tensors[num_params:])

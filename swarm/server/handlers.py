@@ -3,11 +3,16 @@
 Each handler checks its request before any work (state, stage, shapes, the caller's right to the
 micro-batch id) and raises ``ValueError``/:class:`RemoteError` for bad input, which the servicer turns
 into a 'bad_request' reply; the compute runs on the peer's single compute thread.
+
+Forward and backward replies say which parameters computed them (``step`` of a forward, ``params_step``
+of a backward, and ``digest``), so that a trainer compares two replicas' replies only when they used
+the same parameters. A backward with ``verify: true`` computes the same reply without accumulating
+anything: a trainer checking another replica's reply (it passes the same per-caller limits as any call).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
@@ -17,6 +22,7 @@ from swarm.server.faults import corrupt_reply
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
+    from swarm.server.runner import StageRunner
 
 __all__ = ["StageHandlers", "check_micro_batch_id"]
 
@@ -41,6 +47,25 @@ def _batch_size(request: Dict[str, Any]) -> int:
     if inputs.ndim < 1:
         raise ValueError("inputs must have a batch dimension, got a 0-d tensor")
     return int(inputs.shape[0])
+
+
+def _params_version(runner: "StageRunner") -> Tuple[int, str]:
+    return runner.step, runner.digest
+
+
+def _stamp(reply: Dict[str, Any], key: str, runner: "StageRunner", before: Tuple[int, str]) -> None:
+    """Add the step and digest of the parameters that computed ``reply``, when they are certain: steps are
+    applied (and states loaded) on the compute thread that ran the work, so parameters unchanged from
+    before the work was queued to after it finished are the ones it used. Otherwise say nothing."""
+    if _params_version(runner) == before:
+        reply[key], reply["digest"] = before
+
+
+def _verify_flag(request: Dict[str, Any]) -> bool:
+    verify = request.get("verify", False)
+    if not isinstance(verify, bool):
+        raise ValueError(f"verify must be true or false, got {type(verify).__name__}")
+    return verify
 
 
 class StageHandlers:
@@ -69,42 +94,55 @@ class StageHandlers:
         peer = self.peer
         self._check(request)
         inputs, targets = request.get("inputs"), request.get("targets")
+        runner, batcher = peer.runner, peer.batcher
+        before = _params_version(runner)
         peer.in_flight += 1
         try:
-            if peer.runner.module.is_last:  # a loss per request: not mergeable
-                reply = {"loss": float(await peer.compute(peer.runner.forward, inputs, targets))}
+            if runner.module.is_last:  # a loss per request: not mergeable
+                reply: Dict[str, Any] = {"loss": float(await peer.compute(runner.forward, inputs, targets))}
             else:
-                peer.runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
+                runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
                 peer.queued += 1
                 try:
-                    reply = {"outputs": await peer.batcher.forward(inputs)}
+                    reply = {"outputs": await batcher.forward(inputs)}
                 finally:
                     peer.queued -= 1
         finally:
             peer.in_flight -= 1
+        _stamp(reply, "step", runner, before)
         return corrupt_reply(peer.config.fault, "forward", reply)
 
     async def backward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         peer = self.peer
         samples = self._check(request)
+        if _verify_flag(request):
+            return await self._verify_backward(request)
         micro_batch_id = check_micro_batch_id(request.get("micro_batch_id"), caller)
-        steps = peer.steps
+        steps, runner = peer.steps, peer.runner
         peer.in_flight += 1
         await steps.wait_for_room(samples)
+        before = _params_version(runner)
         try:
             grad_inputs, loss, step = await peer.compute(
-                peer.runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
+                runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
                 request.get("targets"))
         finally:
             peer.in_flight -= 1
             steps.release(samples)
         peer.notify_progress()
-        reply: Dict[str, Any] = {"step": step}
-        if grad_inputs is not None:
-            reply["grad_inputs"] = grad_inputs
-        if loss is not None:
-            reply["loss"] = loss
-        return corrupt_reply(peer.config.fault, "backward", reply)
+        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
+
+    async def _verify_backward(self, request: Dict[str, Any]) -> Dict[str, Any]:
+        """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""
+        peer, runner = self.peer, self.peer.runner
+        peer.in_flight += 1
+        before = _params_version(runner)
+        try:
+            grad_inputs, loss, step = await peer.compute(
+                runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False)
+        finally:
+            peer.in_flight -= 1
+        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
 
     async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         return self.peer.announcer.record().model_dump(mode="json")
@@ -132,3 +170,14 @@ class StageHandlers:
     async def settings(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The run settings this peer serves, so that a newcomer with other settings learns which field differs."""
         return settings_reply(self.peer.run)
+
+
+def _backward_reply(grad_inputs: Optional[torch.Tensor], loss: Optional[float], step: int, runner: "StageRunner",
+                    before: Tuple[int, str]) -> Dict[str, Any]:
+    reply: Dict[str, Any] = {"step": step}
+    if grad_inputs is not None:
+        reply["grad_inputs"] = grad_inputs
+    if loss is not None:
+        reply["loss"] = loss
+    _stamp(reply, "params_step", runner, before)
+    return reply

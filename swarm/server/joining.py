@@ -2,8 +2,11 @@
 
 A replica never serves before it holds the stage's current state: it downloads parameters, optimizer
 state and step from a live replica, or restores its checkpoint; a stage starts from its
-initialisation only at step 0 (or when told to), never silently in the middle of a run. Leaving
-refuses new work, lets work in flight and any averaging round finish, then tells the DHT.
+initialisation only at step 0 (or when told to), never silently in the middle of a run. With the
+run's defences on, a downloaded state is kept only if it is the one a majority of the stage's
+replicas announce (same step, parameters hashing to the announced digest, every value finite); a
+replica that served anything else is distrusted and the next one is asked. Leaving refuses new
+work, lets work in flight and any averaging round finish, then tells the DHT.
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
+import torch
 from hivemind.utils import get_logger
 
 from swarm.policy.rebalance import choose_stage_for_new_peer, settle_join_choice
-from swarm.records import to_peer_infos
+from swarm.policy.state_trust import StateClaim, StateSources, StateVerdict, check_downloaded_state, trusted_state_sources
+from swarm.records import PeerRecord, to_peer_infos
+from swarm.server.checkpoints import non_finite_indices
+from swarm.server.runner import parameter_digest
+from swarm.server.stepping import DISTRUST_S
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
@@ -27,8 +35,12 @@ logger = get_logger(__name__)
 
 
 class Joining:
-    def __init__(self, peer: "StagePeer"):
+    """Runs on the peer's event loop; torch work goes to its compute thread, downloads to its averager."""
+
+    def __init__(self, peer: "StagePeer", rng: Optional[random.Random] = None):
         self.peer = peer
+        self._refused: Dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
+        self._rng = rng or random.Random()  # orders the sources, so that joiners spread their load
 
     async def choose_stage(self) -> int:
         peer = self.peer
@@ -53,25 +65,49 @@ class Joining:
 
     async def join_stage(self) -> None:
         """Get the stage's current state before serving: from live replicas if there are any, else from
-        this peer's checkpoint, else (only at step 0, or with ``reinitialize``) from its initialisation."""
+        this peer's checkpoint, else (only at step 0, or with ``reinitialize``) from its initialisation.
+
+        Live replicas that all served a state other than the one they announce count as none."""
         peer = self.peer
         records = await peer.fetch_records()
-        others = [r for r in records.values() if r.stage == peer.stage and r.state == "online" and r.peer_id != peer.peer_id]
-        if others:
-            if not await self.download_state():
+        others = self._online_others(records)
+        if not others or not await self.download_state():
+            if others and not self._all_refused(others):
                 raise RuntimeError(f"could not download stage {peer.stage} state from any of {len(others)} replicas")
-        elif not await peer.checkpoints.restore():
-            run_step = max((r.step for r in records.values()), default=0)
-            if run_step > 0 and not peer.config.reinitialize:
-                raise RuntimeError(
-                    f"stage {peer.stage} has no live replica and no checkpoint in {peer.config.checkpoint_dir!r}, "
-                    f"but the run is at step {run_step}: pass --checkpoint_dir with this stage's checkpoint, or "
-                    f"--reinitialize true to restart the stage from scratch")
+            if others:
+                logger.warning(f"stage {peer.stage}: every live replica served a state other than the one it "
+                               f"announces; joining as if the stage had none")
+            await self._start_without_replicas(records)
         peer.averager.allow_state_sharing = True
+
+    async def _start_without_replicas(self, records: Dict[str, PeerRecord]) -> None:
+        peer = self.peer
+        if await peer.checkpoints.restore():
+            return
+        run_step = max((r.step for r in records.values()), default=0)
+        if run_step > 0 and not peer.config.reinitialize:
+            raise RuntimeError(
+                f"stage {peer.stage} has no live replica and no checkpoint in {peer.config.checkpoint_dir!r}, "
+                f"but the run is at step {run_step}: pass --checkpoint_dir with this stage's checkpoint, or "
+                f"--reinitialize true to restart the stage from scratch")
+
+    def _online_others(self, records: Dict[str, PeerRecord]) -> List[PeerRecord]:
+        peer = self.peer
+        return [r for r in records.values() if r.stage == peer.stage and r.state == "online" and r.peer_id != peer.peer_id]
 
     async def download_state(self, max_attempts: Optional[int] = None) -> bool:
         """Adopt a live replica's state; retried within ``state_download_timeout_s`` (and at most
-        ``max_attempts`` times: a replica catching up gives up soon when nobody serves the state)."""
+        ``max_attempts`` times: a replica catching up gives up soon when nobody serves the state).
+
+        With the run's defences on, only from replicas announcing the state a majority of the stage
+        announces, and only a state that proves to be that one (:mod:`swarm.policy.state_trust`)."""
+        if self.peer.run.defences:
+            return await self._download_trusted(max_attempts)
+        return await self._download_any(max_attempts)
+
+    # ---- without defences: whichever replica hivemind's downloader picks, unchecked ----
+
+    async def _download_any(self, max_attempts: Optional[int]) -> bool:
         peer = self.peer
         timeout = peer.config.state_download_timeout_s
         deadline, attempts = time.monotonic() + timeout, 0
@@ -84,22 +120,110 @@ class Joining:
                 logger.warning(f"state download failed: {type(e).__name__}: {e}")
                 loaded = None
             if loaded is not None:
-                runner = peer.runner
-                first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
                 try:
-                    await peer.compute(runner.load_state, *loaded)
+                    await self._adopt(*loaded, source="a replica")
                 except ValueError as e:
                     # hivemind's state stream can end early without an error (a short tensor list);
                     # load_state checks every tensor before touching anything, so just try again
                     logger.warning(f"downloaded state rejected, retrying: {e}")
                     await asyncio.sleep(1.0)
                     continue
-                if peer.steps is not None:
-                    peer.steps.skipped(first_dropped, runner.step)
-                logger.info(f"stage {peer.stage}: downloaded state at step {runner.step}")
                 return True
             await asyncio.sleep(1.0)
         return False
+
+    async def _adopt(self, metadata: Dict[str, Any], tensors: Sequence[torch.Tensor], source: str) -> None:
+        """Load a downloaded state (ValueError if it does not fit the stage; nothing changes then)."""
+        peer, runner = self.peer, self.peer.runner
+        first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
+        await peer.compute(runner.load_state, metadata, tensors)
+        if peer.steps is not None:
+            peer.steps.skipped(first_dropped, runner.step)
+        logger.info(f"stage {peer.stage}: downloaded state at step {runner.step} from {source}")
+
+    # ---- with defences: the majority's state, verified ----
+
+    async def _download_trusted(self, max_attempts: Optional[int]) -> bool:
+        peer = self.peer
+        deadline, attempts = time.monotonic() + peer.config.state_download_timeout_s, 0
+        while time.monotonic() < deadline and (max_attempts is None or attempts < max_attempts):
+            attempts += 1
+            records = await peer.fetch_records()
+            sources = self._sources(records)
+            if sources.peer_ids and await self._adopt_first_verified(sources, deadline):
+                return True
+            if self._all_refused(self._online_others(records)):
+                return False  # every online replica served a bad state: nothing left to ask
+            if not sources.peer_ids:
+                logger.info(f"stage {peer.stage}: no trusted source of the stage's state yet: {sources.reason}")
+            await asyncio.sleep(1.0)
+        return False
+
+    def _sources(self, records: Dict[str, PeerRecord]) -> StateSources:
+        peer = self.peer
+        claims = [StateClaim(r.peer_id, r.state, r.step, r.digest) for r in records.values() if r.stage == peer.stage]
+        return trusted_state_sources(claims, peer.peer_id, self._refused_now(), self._rng)
+
+    async def _adopt_first_verified(self, sources: StateSources, deadline: float) -> bool:
+        """Download from ``sources`` one at a time, until one serves the announced state; refuse the others."""
+        peer = self.peer
+        remaining = list(sources.peer_ids)
+        while remaining and time.monotonic() < deadline:
+            downloaded = await self._fetch(remaining, deadline)
+            if downloaded is None or downloaded[0] not in remaining:
+                return False
+            source, metadata, tensors = downloaded
+            remaining = remaining[remaining.index(source) + 1:]
+            verdict = await peer.compute(self._judge, sources, metadata, tensors)
+            if verdict.accept:
+                try:
+                    await self._adopt(metadata, tensors, source=source)
+                    return True
+                except ValueError as e:
+                    verdict = StateVerdict(False, reason=str(e))
+            if verdict.distrust:
+                logger.warning(f"stage {peer.stage}: refusing the state downloaded from {source}: {verdict.reason}")
+                self._refuse(source, verdict.reason)
+            else:  # a stream cut short, or a replica that stepped since it announced: nobody lied
+                logger.info(f"stage {peer.stage}: not adopting the state downloaded from {source}: {verdict.reason}")
+        return False
+
+    async def _fetch(self, peer_ids: List[str], deadline: float) -> Optional[Tuple[str, Any, List[torch.Tensor]]]:
+        peer = self.peer
+        future = peer.averager.load_state_from(peer_ids, timeout=peer.config.state_download_timeout_s,
+                                               max_bytes=self._max_state_bytes(), wait=False)
+        try:
+            return await asyncio.wait_for(future, timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as e:
+            logger.warning(f"state download failed: {type(e).__name__}: {e}")
+            return None
+
+    def _judge(self, sources: StateSources, metadata: Any, tensors: Sequence[Any]) -> StateVerdict:
+        """The verdict on a downloaded state (runs on the compute thread: it hashes the parameters)."""
+        params = self.peer.runner.params
+        complete = _fits(params, tensors)
+        all_finite = complete and not non_finite_indices(tensors)
+        digest = parameter_digest(tensors[:len(params)]) if complete else ""
+        return check_downloaded_state(sources, complete, all_finite, _state_step(metadata, self.peer.stage), digest)
+
+    def _max_state_bytes(self) -> int:
+        """Twice the bytes of the stage's state, plus room for framing: a replica sending more is refused."""
+        params = self.peer.runner.params
+        return 2 * 3 * sum(p.numel() * p.element_size() for p in params) + 2**20
+
+    def _refuse(self, peer_id: str, why: str) -> None:
+        self._refused[peer_id] = time.monotonic() + DISTRUST_S
+        if self.peer.steps is not None:
+            self.peer.steps.distrust([peer_id], f"it served a state other than the one it announces ({why})")
+
+    def _refused_now(self) -> Set[str]:
+        now = time.monotonic()
+        self._refused = {p: until for p, until in self._refused.items() if until > now}
+        return set(self._refused)
+
+    def _all_refused(self, others: Sequence[PeerRecord]) -> bool:
+        refused = self._refused_now()
+        return bool(others) and all(r.peer_id in refused for r in others)
 
     async def leave_stage(self) -> None:
         """Refuse new work, let work in flight and any averaging round finish, then announce 'leaving'."""
@@ -115,3 +239,22 @@ class Joining:
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 peer.coordinator_task.cancel()
         await peer.announcer.announce()
+
+
+def _fits(params: Sequence[torch.Tensor], tensors: Sequence[Any]) -> bool:
+    """Whether ``tensors`` has the layout of the stage's state (see StageRunner.state_tensors)."""
+    num = len(params)
+    if len(tensors) != 3 * num + 1 or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    shapes = [p.shape for p in params] + [p.shape for p in params for _ in ("exp_avg", "exp_avg_sq")]
+    return all(t.shape == shape for t, shape in zip(tensors, shapes)) and tensors[-1].numel() == 1
+
+
+def _state_step(metadata: Any, stage: int) -> Optional[int]:
+    """The step a downloaded state's metadata names, or None unless it is well formed for ``stage``."""
+    if not isinstance(metadata, dict) or metadata.get("stage") != stage:
+        return None
+    values = [metadata.get(key) for key in ("step", "samples_applied")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        return None
+    return values[0]

@@ -24,7 +24,7 @@ from hivemind.utils import get_logger
 from swarm.agreement import RunFilter, check_run_agreement
 from swarm.config import PeerConfig
 from swarm.auth import Allowlist
-from swarm.dht import start_run_dht
+from swarm.dht import identity_of, start_run_dht
 from swarm.dht_io import fetch_stage_records
 from swarm.records import PeerRecord
 from swarm.rpc import NAMESPACE, RPCServicer
@@ -32,11 +32,12 @@ from swarm.server.announcer import Announcer
 from swarm.server.averaging import StageAverager
 from swarm.server.batching import ForwardBatcher
 from swarm.server.checkpoints import Checkpointer
+from swarm.server.faults import STATE_FAULTS, corrupt_state
 from swarm.server.handlers import StageHandlers
 from swarm.server.joining import Joining
 from swarm.server.rebalancing import rebalance_loop
 from swarm.server.runner import StageRunner
-from swarm.server.stepping import StepCoordinator
+from swarm.server.stepping import BAN_S, StepCoordinator
 
 __all__ = ["StagePeer"]
 
@@ -111,20 +112,32 @@ class StagePeer:
 
     def _make_averager(self) -> StageAverager:
         config = self.config
-        return StageAverager(
-            self.runner.params, self.shared_state, dht=self.dht, start=True,
+        averager = StageAverager(
+            self.runner.params, self.served_state, dht=self.dht, start=True,
             prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
             min_matchmaking_time=config.matchmaking_time_s, request_timeout=config.matchmaking_time_s / 2,
             allreduce_timeout=config.averaging_timeout_s, allow_state_sharing=False,
             # a groupmate that stops sending parts (it gave up, died) fails the round in seconds, not at the timeout
             next_chunk_timeout=min(config.averaging_timeout_s, 3 * config.matchmaking_time_s),
             declare_state_period=config.announce_period_s * 2, initial_group_bits="0" * 16,
-            allowlist=self.run.allowlist,
+            allowlist=self.run.allowlist, fault=config.fault,
+            aggregation=self.run.aggregation if self.run.defences else None, signing_key=identity_of(self.dht).private_key,
+            max_samples=float(self.run.target_batch_size), ban_s=BAN_S,
         )
+        if config.fault in STATE_FAULTS:
+            # a lying server also bids to be the first choice of hivemind's downloader, which picks the
+            # replica declaring the highest priority (honest replicas declare 0)
+            averager.state_sharing_priority = 1.0
+        return averager
 
     def shared_state(self):
-        """What a joining replica downloads and a checkpoint holds: (metadata, tensors)."""
+        """The stage's state as this replica holds it (what its checkpoints store): (metadata, tensors)."""
         return self.runner.state_metadata(), self.runner.state_tensors()
+
+    def served_state(self):
+        """The state this replica serves to replicas that download it: its own, unless it emulates a
+        replica that serves a corrupted one (``--fault``)."""
+        return corrupt_state(self.config.fault, *self.shared_state())
 
     async def move_to(self, stage: int) -> None:
         """Leave the current stage gracefully and serve ``stage``, after downloading its state."""

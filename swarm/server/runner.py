@@ -10,23 +10,42 @@ micro-batch's forward and backward costs one recomputation elsewhere, nothing mo
 Gradients are double-buffered: when the swarm reaches the global batch, the accumulated sum
 is *frozen* for averaging and a fresh accumulator starts for the next step, so compute never
 waits for the all-reduce (backward passes computed meanwhile see parameters one step old).
+
+What one trainer's micro-batch adds is bounded (decisions in :mod:`swarm.policy.poisoning`): its
+gradient is clipped to a per-sample bound derived from recent norms, and on the last stage a trainer
+whose targets cost persistently more than the model expects is down-weighted. With ``run.defences``
+off every micro-batch is added as sent.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from hivemind.utils import get_logger
 
 from swarm.config import RunConfig
 from swarm.local_training import make_optimizer, optimizer_step
 from swarm.model import StageModule, build_stage
+from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 
-__all__ = ["StageRunner", "FrozenStep", "ThroughputMeter"]
+__all__ = ["StageRunner", "FrozenStep", "ThroughputMeter", "parameter_digest"]
+
+logger = get_logger(__name__)
+
+
+def parameter_digest(params: Sequence[torch.Tensor]) -> str:
+    """A hash of parameter values (their raw bytes, in order): replicas at the same step must
+    announce the same one, and a downloaded state must hash to what its sender announced."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in params:
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 @dataclass
@@ -77,7 +96,8 @@ def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where
 class StageRunner:
     """One replica of one stage: compute, accumulate, step, and export/import its state."""
 
-    def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", delay_per_sample_s: float = 0.0):
+    def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", delay_per_sample_s: float = 0.0,
+                 poisoning: Optional[PoisoningConfig] = None):
         self.run, self.stage_index, self.device = run, stage_index, torch.device(device)
         self.delay_per_sample_s = delay_per_sample_s
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
@@ -95,6 +115,12 @@ class StageRunner:
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.frozen: Optional[FrozenStep] = None
         self.digest = self._digest()
+        # bounds on what one trainer's micro-batches contribute (swarm.policy.poisoning); None = defences off
+        self.guard = ContributionGuard(poisoning or PoisoningConfig()) if run.defences else None
+        self._deferred: List[Tuple[str, int, Sequence[torch.Tensor], float]] = []  # (trainer, batch, grads, norm) not added yet
+        self._entropy: Optional[float] = None  # mean entropy of the last stage's latest predictions (nats)
+        if self.guard is not None and self.module.is_last:
+            self.module.lm_head.register_forward_hook(self._capture_entropy)
 
     @property
     def where(self) -> str:
@@ -125,9 +151,12 @@ class StageRunner:
 
     def backward(
         self, micro_batch_id: str, inputs: torch.Tensor, grad_outputs: Optional[torch.Tensor],
-        targets: Optional[torch.Tensor] = None,
+        targets: Optional[torch.Tensor] = None, accumulate: bool = True,
     ) -> Tuple[Optional[torch.Tensor], Optional[float], int]:
         """Recompute the forward, accumulate parameter gradients; return (grad_inputs, loss, accum_step).
+
+        With ``accumulate=False`` (a trainer checking another replica's reply) nothing is accumulated
+        or counted: the same grad_inputs and loss, no change to the replica's state.
 
         On the last stage ``grad_outputs`` is None and the loss is the objective. A micro-batch id
         already accumulated into this replica's current or frozen step is not counted again.
@@ -141,8 +170,8 @@ class StageRunner:
                 x = x.detach().requires_grad_(True)
             with torch.enable_grad():
                 outputs = self.module(x, self._to_device(targets))
-                if self.module.is_last:
-                    grad_outputs = torch.ones_like(outputs)
+                if self.module.is_last:  # a down-weighted trainer's loss counts with its weight, here and below
+                    grad_outputs = torch.full_like(outputs, self._loss_weight(micro_batch_id, outputs))
                 else:
                     _check_grad_outputs(grad_outputs, outputs.cpu(), self.where)
                 wrt = self.params if self.module.is_first else [x] + self.params
@@ -151,8 +180,11 @@ class StageRunner:
             param_grads = grads if self.module.is_first else grads[1:]
             if not all(bool(torch.isfinite(g).all()) for g in param_grads):
                 raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
-            accum_step = self._accumulate(micro_batch_id, batch, param_grads)
-            self.samples_processed += batch
+            if accumulate:
+                accum_step = self._accumulate(micro_batch_id, batch, param_grads)
+                self.samples_processed += batch
+            else:
+                accum_step = self.accum_step
         if self.delay_per_sample_s > 0:  # an emulated slower device: a fixed cost per sample, whatever the load
             time.sleep(self.delay_per_sample_s * batch)
         kind = "forward_backward" if self.module.is_last else "backward"
@@ -166,8 +198,11 @@ class StageRunner:
             return self.accum_step
         if micro_batch_id in frozen_ids:
             return self.frozen.step
-        for acc, grad in zip(self.grad_sum, param_grads):
-            acc.add_(grad, alpha=batch)  # a sum of per-sample-mean gradients; divided by the global count at the step
+        if self.guard is None:
+            for acc, grad in zip(self.grad_sum, param_grads):
+                acc.add_(grad, alpha=batch)  # a sum of per-sample-mean gradients; divided by the global count at the step
+        else:
+            self._add_guarded(trainer_of(micro_batch_id), batch, param_grads)
         self.samples_pending += batch
         self.pending_ids.add(micro_batch_id)
         return self.accum_step
@@ -177,13 +212,68 @@ class StageRunner:
         with self.lock:
             if self.frozen is not None:
                 return self.frozen
+            self._settle_deferred()
             samples = self.samples_pending
             mean = [g / samples if samples else torch.zeros_like(g) for g in self.grad_sum]
             self.frozen = FrozenStep(self.accum_step, samples, mean, set(self.pending_ids))
             self.grad_sum = [torch.zeros_like(p) for p in self.params]
             self.samples_pending, self.pending_ids = 0, set()
             self.accum_step += 1
+            if self.guard is not None:
+                self._log_clips(*self.guard.start_step(self.accum_step))
             return self.frozen
+
+    # ---- bounding each trainer's contribution (decisions in swarm.policy.poisoning) ----
+
+    def _add_guarded(self, trainer: str, batch: int, param_grads: Sequence[torch.Tensor]) -> None:
+        """Add a micro-batch's gradient clipped to the per-sample bound. A fresh replica holds its first
+        micro-batches back until they come from enough trainers to fix a bound that no one of them sets."""
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in param_grads])))
+        if self.guard.weight(trainer) == 1.0:  # a down-weighted micro-batch's norm says nothing of honest ones
+            self.guard.record_norm(trainer, norm)
+        self._deferred.append((trainer, batch, param_grads, norm))
+        if self.guard.ready(len(self._deferred)):
+            self._settle_deferred()
+
+    def _settle_deferred(self) -> None:
+        """End a warm-up: add the held-back micro-batches, each clipped to the bound they establish together."""
+        if self.guard is None or not self._deferred:
+            return
+        self.guard.settle()
+        for trainer, batch, param_grads, norm in self._deferred:
+            scale = batch * self.guard.clip_factor(trainer, norm)
+            for acc, grad in zip(self.grad_sum, param_grads):
+                acc.add_(grad, alpha=scale)
+        self._deferred = []
+
+    def _log_clips(self, clips: Dict[str, float], new_offenders: Set[str]) -> None:
+        for trainer, ratio in sorted(clips.items()):
+            level = logging.WARNING if trainer in new_offenders else logging.INFO
+            logger.log(level, f"{self.where}: clipped micro-batches of trainer {trainer} in step {self.accum_step - 1}: "
+                              f"the largest had {ratio:.3g} times the per-sample bound's gradient norm")
+
+    def _capture_entropy(self, module: torch.nn.Module, inputs: Tuple[torch.Tensor, ...], logits: torch.Tensor) -> None:
+        with torch.no_grad():
+            log_p = torch.log_softmax(logits.detach().float(), dim=-1)
+            self._entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
+
+    def _loss_weight(self, micro_batch_id: str, loss: torch.Tensor) -> float:
+        """The weight of a last-stage micro-batch: records how far its loss exceeds the model's own
+        predictive entropy, and down-weights a trainer whose excess is a persistent outlier."""
+        if self.guard is None or self._entropy is None:
+            return 1.0
+        trainer = trainer_of(micro_batch_id)
+        frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
+        if micro_batch_id not in self.pending_ids and micro_batch_id not in frozen_ids:
+            flagged, cleared = self.guard.record_excess(trainer, float(loss.detach()) - self._entropy)
+            for outlier in sorted(flagged):
+                logger.warning(f"{self.where}: down-weighting trainer {outlier} to {self.guard.config.outlier_weight}: "
+                               f"its targets cost persistently more than the model expects")
+            for outlier in sorted(cleared):
+                logger.info(f"{self.where}: trainer {outlier} is weighted normally again")
+        weight = self.guard.weight(trainer)
+        self.guard.down_weighted += weight < 1.0
+        return weight
 
     def apply(self, mean_grads: Sequence[torch.Tensor], total_samples: int) -> None:
         """Step the optimizer with the swarm-wide mean gradient of the frozen step."""
@@ -199,11 +289,7 @@ class StageRunner:
             self.digest = self._digest()
 
     def _digest(self) -> str:
-        """A hash of the parameters: replicas at the same step must announce the same one."""
-        h = hashlib.blake2b(digest_size=8)
-        for p in self.params:
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        return parameter_digest(self.params)
 
     # ---- state: shared with joining replicas and written to checkpoints ----
 
@@ -222,6 +308,7 @@ class StageRunner:
             reply: Dict[str, object] = {"step": self.step, "names": names,
                                         "parameters": [p.detach().cpu().clone() for p in self.params]}
             if with_gradients:
+                self._settle_deferred()
                 n = max(self.samples_pending, 1)
                 reply["gradients"] = [g / n for g in self.grad_sum]
                 reply["samples_pending"] = self.samples_pending
@@ -256,6 +343,7 @@ class StageRunner:
                 # loaded state is at are kept
                 self.grad_sum = [torch.zeros_like(p) for p in self.params]
                 self.samples_pending, self.pending_ids = 0, set()
+                self._deferred = []
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None

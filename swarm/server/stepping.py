@@ -19,7 +19,7 @@ from swarm.policy.steps import (
     ReplicaClaim, StageView, must_wait, near_target, needs_resync, overclaimers, step_alone, step_is_due,
     trusted_others,
 )
-from swarm.records import PeerRecord, update_contributed
+from swarm.records import MAX_EXCLUDED, PeerRecord, update_contributed
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
@@ -32,6 +32,7 @@ MEMBER_HISTORY = 256  # applied steps whose group members a replica remembers (t
 MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica applies a step alone
 RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored after they proved false
+BAN_S = 3600.0  # seconds a replica caught lying in averaging stays banned (by this replica's averager too)
 
 
 class StepCoordinator:
@@ -43,6 +44,7 @@ class StepCoordinator:
         self.members: "OrderedDict[int, List[str]]" = OrderedDict()  # applied step -> peers whose gradients it averaged
         self.contributed = (0, 0)  # (base, bits): steps that included this replica's gradients
         self._distrusted: Dict[str, float] = {}  # peer id -> monotonic time until which its claims are ignored
+        self._banned: Dict[str, float] = {}  # peer id -> monotonic time it was banned from averaging (newest last)
         self._others: Tuple[ReplicaClaim, ...] = ()
         self._clock_steps: Tuple[int, ...] = ()
         self._failed_rounds = 0
@@ -152,16 +154,38 @@ class StepCoordinator:
                 self.distrust([c.peer_id for c in view.others], "announced itself online but did not average")
                 await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id])
             return  # otherwise the frozen step stays: the next poll retries, or resyncs if others moved on
-        averaged, gathered = result
+        gathered = result.gathered
         steps = {data.get("step") for data in gathered.values() if isinstance(data, dict)}
         if steps != {frozen.step}:
             logger.warning(f"stage {peer.stage}: group gathered mismatched steps {steps}; dropping this round")
             return
-        samples = {peer_id: int(data.get("samples", 0)) for peer_id, data in gathered.items()}
+        self._report_exclusions(result)
+        samples = {peer_id: int(data.get("samples", 0)) for peer_id, data in gathered.items()
+                   if isinstance(data, dict)}
         liars = overclaimers(claims, samples)
         if liars:
             self.distrust(liars, "announced pending samples that its all-reduce contribution did not bear out")
-        await self.apply(averaged, sum(samples.values()), sorted(gathered))
+        included = [p for p in result.included if p in samples]  # the samples of every gradient that went in,
+        await self.apply(result.tensors, sum(samples[p] for p in included), sorted(included))  # whatever its weight
+
+    def _report_exclusions(self, result) -> None:
+        """Log whom a robust round left out, and stop believing the claims of those it banned."""
+        for peer_id, why in result.excluded.items():
+            if peer_id in result.banned:
+                logger.warning(f"stage {self.peer.stage}: excluding {peer_id} from averaging: {why}")
+            else:
+                logger.info(f"stage {self.peer.stage}: left {peer_id} out of this round: {why}")
+        if result.banned:
+            self.distrust(list(result.banned), "banned from averaging")
+            for peer_id in result.banned:
+                self._banned.pop(peer_id, None)
+                self._banned[peer_id] = time.monotonic()
+
+    def excluded(self) -> List[str]:
+        """Stage-mates banned from averaging within the last ``BAN_S`` seconds, newest first (for the record)."""
+        now = time.monotonic()
+        self._banned = {p: t for p, t in self._banned.items() if now - t < BAN_S}
+        return list(reversed(self._banned))[:MAX_EXCLUDED]
 
     async def apply(self, mean_grads: Sequence, total_samples: int, members: List[str]) -> None:
         """Apply the frozen step with the group's mean gradient, remember who contributed, announce."""

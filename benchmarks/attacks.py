@@ -1,0 +1,462 @@
+"""Attack benchmark: a live loopback swarm trained with one Byzantine attacker, defences on and off.
+
+Why: a volunteer swarm must keep training when a replica or a trainer lies. This script measures, on
+real subprocesses, how much each attack harms training with the defences off, how much of that the
+defences (``--defences``, a run setting every role of a run gets) take away, what they cost in
+throughput, and how fast the attacker is excluded.
+
+What runs (every address 127.0.0.1; the tests' TINY_MODEL and fast announce periods FAST_PEER), one
+swarm per run, runs one after another:
+  * a bootstrap DHT; 2 stages; the attacked stage has ``--attacked_replicas`` (4) replicas, one of them
+    the attacker (``swarm peer --fault NAME``); the other stage ``--other_replicas`` (1). Attacks on
+    stage 0: stage 0 x4, stage 1 x1. Attacks on stage 1 (``wrong_loss``, ``non_numeric_loss``): stage 1
+    x4, stage 0 x1. Trainer attacks use the stage-0 shape with no faulty replica;
+  * 2 trainers for ``--duration_s``; trainer0 is always honest, trainer1 is the attacker for trainer
+    attacks (``swarm train --attack NAME``);
+  * ``poisoned_state``: the attacked stage starts with 2 honest replicas and the attacker; the 4th
+    (honest) replica starts at 1/3 of the duration and must download the stage's state; the attacker
+    serves it poisoned state, which the joiner must refuse with the defences on;
+  * per attack: a run with the defences on and one with ``--defences false`` (same seed and duration),
+    and clean runs (the attacker's slot taken by an honest role), defences on and off, once per swarm
+    shape and reused by every attack of that shape.
+
+Measured, per run:
+  loss             the mean of trainer0's logged losses (each the mean over its last 20 micro-batches, logged
+                   every second) over the last 25% of the training time: what the honest trainer sees
+                   (a replica lying about the loss lies to this figure too).
+  heldout_loss     the held-out loss of the model the honest replicas hold at the end, computed in this process
+                   from their exported parameters on fixed windows of the validation split: the largest over the
+                   honest replicas of the attacked stage (the other stage: its first honest replica). Attacks on
+                   replies cannot lie to it. ``heldout_loss_initial`` is the same for the run's initialisation.
+  throughput       trainer0's samples sent per second of training (the same honest trainer in every run).
+  samples_lost     samples the trainers sent minus the samples the stages account for once the swarm settled:
+                   MIN over stages of (largest samples_applied + samples pending + frozen) over the stage's honest
+                   online replicas (the attacker's share is not counted). For trainer attacks it includes the
+                   attacker trainer's own samples that the stages refused (``samples_sent_by_attacker`` bounds it).
+                   ``samples_counted_twice``: how far the most generous stage's accounting exceeds the samples sent.
+  attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
+                   and a trainer was training; a trainer: once it was ready; ``poisoned_state``: once the
+                   joiner was started) to the first exclusion in an honest role's log: a trainer's "banning
+                   peer <id>", a replica's WARN "excluding <id> from averaging", the joiner's WARN refusing
+                   the attacker's state; for trainer attacks the first WARN line of an honest peer naming the
+                   attacker trainer. null if never. ``attacker_excluded_after_online_s`` counts from the
+                   attacker's own ready line instead. Resolution: log stamps (ms) and polling (0.2 s).
+Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on), defended and undefended runs,
+``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack run over the clean
+defended run of the same shape), ``undefended_diverged`` (the undefended run's held-out loss is not finite
+or no better than the initialisation's, or its trainer loss is not finite).
+
+Output: progress lines, a table, a summary line (clean throughput, defences on vs off), then one JSON list.
+Every process's log is kept in ``--log_dir`` (a fresh temporary directory by default).
+
+Usage: python benchmarks/attacks.py [--duration_s 60] [--attacks a,b] [--skip_undefended] [--log_dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _swarm import FAST_PEER, TINY_MODEL, counts, install_signal_handlers, log, make_log_dir  # noqa: E402
+from _attacks_roles import (ATTACKS, Attack, AttackSwarm, finite_or_none, first_exclusion, heldout_batches,  # noqa: E402
+                            heldout_losses, honest_accounted, initial_loss, tail_mean, tiny_model_config,
+                            trainer_losses)
+from peers.launcher import RoleProcess  # noqa: E402
+
+NUM_STAGES = 2
+MAX_DATA_MB = 2.0  # corpus the trainers read (MiB); the held-out windows come from its validation split
+LOSS_TAIL = 0.25  # the final loss is the mean over this last fraction of the training time
+READY_TIMEOUT_S = 180.0  # seconds a role may take to start: minutes when the 2 cores are shared
+STOP_TIMEOUT_S = 10.0
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration_s", type=float, default=60.0, help="seconds each trainer trains, per run")
+    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, from: {', '.join(ATTACKS)}")
+    p.add_argument("--seed", type=int, default=0, help="the run's --seed (initialisation); trainers draw with seed+1, seed+2")
+    p.add_argument("--skip_undefended", action="store_true", help="no --defences false runs (quicker; no harm figures)")
+    p.add_argument("--attacked_replicas", type=int, default=4, help="replicas of the attacked stage, the attacker included")
+    p.add_argument("--other_replicas", type=int, default=1, help="replicas of the other stage")
+    p.add_argument("--target_batch_size", type=int, default=64, help="samples per global step")
+    p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
+    p.add_argument("--max_in_flight", type=int, default=4, help="micro-batches in flight per trainer")
+    p.add_argument("--lr", type=float, default=0.003, help="learning rate (as tests/test_convergence.py)")
+    p.add_argument("--settle_timeout_s", type=float, default=20.0, help="after training, wait at most this long for the accounting to settle")
+    p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    args = p.parse_args(argv)
+    unknown = [a for a in args.attacks.split(",") if a not in ATTACKS]
+    if unknown:
+        p.error(f"unknown attacks {unknown}; known: {list(ATTACKS)}")
+    if args.attacked_replicas < 3:
+        p.error("--attacked_replicas must be at least 3 (an attacker and two honest replicas)")
+    return args
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: an attack (None: clean) on the swarm shape of ``stage``, defences on or off."""
+
+    stage: int
+    defences: bool
+    attack: Optional[Attack] = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.attack.name if self.attack else f'clean_s{self.stage}'}_{'on' if self.defences else 'off'}"
+
+
+@dataclass
+class Role:
+    """A started role and what its ready event said."""
+
+    process: RoleProcess
+    peer_id: str = ""
+    ready_at: float = 0.0  # time.time() when its ready event arrived
+
+
+class Run:
+    """The roles of one run and the times the metrics are measured from."""
+
+    def __init__(self, spec: RunSpec, swarm: AttackSwarm):
+        self.spec, self.swarm = spec, swarm
+        self.peers: Dict[int, List[Role]] = {}
+        self.attacker: Optional[Role] = None
+        self.trainers: List[Role] = []
+        self.joiner: Optional[Role] = None
+        self.joiner_started_at: Optional[float] = None
+        self.train_start = 0.0  # time.time() when the first trainer was ready: each trains from its own ready line
+        self.errors: List[str] = []
+
+    def honest_peers(self) -> Dict[int, List[str]]:
+        honest = {s: [r.peer_id for r in roles if r is not self.attacker and r.peer_id] for s, roles in self.peers.items()}
+        if self.joiner is not None and self.joiner.peer_id:
+            honest.setdefault(self.spec.stage, []).append(self.joiner.peer_id)
+        return honest
+
+
+async def _ready(swarm: AttackSwarm, role: Role, event: str, id_field: str) -> Role:
+    ready = await swarm.event(role.process, event, READY_TIMEOUT_S)
+    role.peer_id, role.ready_at = ready[id_field], time.time()
+    return role
+
+
+async def start_peers(run: Run, args) -> None:
+    """Every replica at once (the late joiner of poisoned_state excepted); wait until all are online."""
+    spec, swarm = run.spec, run.swarm
+    fault = spec.attack.fault if spec.attack else None
+    for stage in range(NUM_STAGES):
+        wanted = args.attacked_replicas if stage == spec.stage else args.other_replicas
+        if stage == spec.stage and spec.attack is not None and spec.attack.late_joiner:
+            wanted -= 1
+        roles = []
+        for i in range(wanted):
+            if stage == spec.stage and i == 0 and fault is not None:
+                run.attacker = Role(swarm.peer(stage, "attacker", ["--fault", fault]))
+                roles.append(run.attacker)
+            else:
+                roles.append(Role(swarm.peer(stage, f"s{stage}p{i}")))
+        run.peers[stage] = roles
+    await asyncio.gather(*(_ready(swarm, r, "peer_ready", "peer_id") for roles in run.peers.values() for r in roles))
+    shape = tuple(len(run.peers[s]) for s in range(NUM_STAGES))
+    await swarm.wait_for(lambda r: counts(r, NUM_STAGES) == shape, 60.0, f"{shape} replicas online")
+
+
+async def start_trainers(run: Run, args) -> None:
+    attack = run.spec.attack
+    run.trainers = [Role(run.swarm.trainer("trainer0", ["--trainer_seed", str(args.seed + 1)]))]
+    if attack is not None and attack.by_trainer:
+        run.attacker = Role(run.swarm.trainer("attacker", ["--trainer_seed", str(args.seed + 2),
+                                                           "--attack", attack.trainer_attack]))
+        run.trainers.append(run.attacker)
+    else:
+        run.trainers.append(Role(run.swarm.trainer("trainer1", ["--trainer_seed", str(args.seed + 2)])))
+    await asyncio.gather(*(_ready(run.swarm, t, "trainer_ready", "trainer_id") for t in run.trainers))
+    run.train_start = min(t.ready_at for t in run.trainers)
+
+
+async def late_join(run: Run, delay_s: float) -> None:
+    """The honest replica that joins the attacked stage mid-run and downloads its state."""
+    await asyncio.sleep(delay_s)
+    run.joiner_started_at = time.time()
+    run.joiner = Role(run.swarm.peer(run.spec.stage, "joiner"))
+    log(f"  [{run.spec.label}] an honest replica joins stage {run.spec.stage}")
+    try:
+        await _ready(run.swarm, run.joiner, "peer_ready", "peer_id")
+        log(f"  [{run.spec.label}] the joiner serves after {run.joiner.ready_at - run.joiner_started_at:.1f}s")
+    except TimeoutError as e:
+        run.errors.append(f"joiner: {str(e).splitlines()[0]}")
+        log(f"  [{run.spec.label}] the joiner did not become ready: {str(e).splitlines()[0]}")
+
+
+async def report_progress(run: Run, period_s: float = 10.0) -> None:
+    """A progress line every ``period_s``: replicas per stage, honest replicas' steps, trainers' samples and losses."""
+    while True:
+        await asyncio.sleep(period_s)
+        try:
+            snap = await asyncio.wait_for(run.swarm.snapshot(), timeout=10.0)
+        except Exception as e:  # a slow or failed read only costs a progress line
+            log(f"  [{run.spec.label}] DHT read failed: {type(e).__name__}")
+            continue
+        steps = {s: sorted({r.step for r in snap.peers.values() if r.peer_id in ids and r.stage == s})
+                 for s, ids in run.honest_peers().items()}
+        trainers = [f"{r.samples_sent}@{r.loss:.3f}" if r.loss is not None else f"{r.samples_sent}@-"
+                    for r in snap.trainers.values()]
+        log(f"  [{run.spec.label}] {time.time() - run.train_start:5.0f}s  replicas {counts(snap.peers, NUM_STAGES)}"
+            f"  honest replicas' steps by stage {steps}  trainers sent@loss {trainers}")
+
+
+async def settle(run: Run, total_sent: int, timeout: float) -> Tuple[int, ...]:
+    """Wait until the honest replicas account for every sample sent, or their accounting stays put for 3 s
+    with nothing frozen (an attacker's share may never arrive), at most ``timeout``; returns it per stage."""
+    exclude = [run.attacker.peer_id] if run.attacker is not None else []
+    deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
+    accounted: Tuple[int, ...] = (0,) * NUM_STAGES
+    while time.monotonic() < deadline:
+        records = await run.swarm.probe.records()
+        if records:
+            accounted = tuple(honest_accounted(records, s, exclude) for s in range(NUM_STAGES))
+            frozen = any(r.samples_frozen for r in records.values() if r.peer_id not in exclude)
+            if min(accounted) == total_sent and not frozen:
+                break
+            if accounted != last or frozen:
+                last, since = accounted, time.monotonic()
+            elif time.monotonic() - since >= 3.0:
+                break
+        await asyncio.sleep(0.5)
+    return accounted
+
+
+def exclusion(run: Run) -> Dict[str, Any]:
+    """When the honest roles' logs first exclude the attacker (see the module's docstring)."""
+    if run.attacker is None or not run.attacker.peer_id:
+        return {}
+    by_trainer = run.spec.attack.by_trainer
+    honest = [r for roles in run.peers.values() for r in roles if r is not run.attacker]
+    if not by_trainer:
+        honest += [t for t in run.trainers if t is not run.attacker]
+    if run.joiner is not None:
+        honest.append(run.joiner)
+    found = first_exclusion([r.process.log_path for r in honest], run.attacker.peer_id, any_warning=by_trainer)
+    if run.spec.attack.late_joiner:
+        reference = run.joiner_started_at
+    elif by_trainer:
+        reference = run.attacker.ready_at
+    else:
+        reference = max(run.attacker.ready_at, run.train_start)
+    if found is None or reference is None:
+        return {"attacker_excluded_after_s": None, "attacker_excluded_after_online_s": None}
+    line, name = found
+    return {"attacker_excluded_after_s": round(line.t - reference, 2),
+            "attacker_excluded_after_online_s": round(line.t - run.attacker.ready_at, 2),
+            "exclusion_evidence": f"{name}: {line.message[:200]}"}
+
+
+async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
+    """From trainers ready to the figures of the run: trainers' results, accounting, held-out loss, logs."""
+    spec, swarm = run.spec, run.swarm
+    tasks = [asyncio.create_task(report_progress(run))]
+    if spec.attack is not None and spec.attack.late_joiner:
+        tasks.append(asyncio.create_task(late_join(run, args.duration_s / 3)))
+    try:
+        done = [await swarm.event(t.process, "trainer_done", args.duration_s + 120.0) for t in run.trainers]
+    finally:
+        for task in tasks:
+            task.cancel()
+    sent = [d["samples_sent"] for d in done]
+    log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
+        f"drained {[d['drained'] for d in done]}")
+    accounted = await settle(run, sum(sent), args.settle_timeout_s)
+    losses, errors = await heldout_losses(swarm.probe, tiny_model_config(), NUM_STAGES, args.seed, spec.stage,
+                                          run.honest_peers(), batches)
+    run.errors += errors
+    honest_trainer = run.trainers[0]
+    loss = tail_mean(trainer_losses(honest_trainer.process.log_path), honest_trainer.ready_at,
+                     honest_trainer.ready_at + args.duration_s, LOSS_TAIL)
+    heldout = None if not losses else (max(losses.values()) if all(map(math.isfinite, losses.values())) else math.nan)
+    honest = {p for ids in run.honest_peers().values() for p in ids}
+    records = await swarm.probe.records()
+    return {
+        "label": spec.label, "defences": spec.defences,
+        "loss": loss, "heldout_loss": heldout,
+        "heldout_losses": {p[-6:]: finite_or_none(v) for p, v in losses.items()},
+        "throughput_samples_per_s": round(sent[0] / args.duration_s, 2),
+        "samples_sent": sum(sent),
+        "samples_sent_by_attacker": sent[1] if spec.attack is not None and spec.attack.by_trainer else 0,
+        "samples_accounted_by_stage": list(accounted), "samples_lost": sum(sent) - min(accounted),
+        "samples_counted_twice": max(0, max(accounted) - sum(sent)),
+        "global_steps": max((r.step for r in records.values() if r.peer_id in honest), default=None),
+        "replicas_at_end": list(counts(records, NUM_STAGES)),
+        "load_average_1m": round(os.getloadavg()[0], 2),  # the machine's load: throughput figures move with it
+        **exclusion(run),
+    }
+
+
+async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any]:
+    """One live swarm from bootstrap to figures; every process it started is stopped before it returns."""
+    run_id = f"atk_{spec.label}_{uuid.uuid4().hex[:6]}"
+    model = [*TINY_MODEL, "--lr", str(args.lr)]
+    swarm = AttackSwarm(
+        log_dir, run_id,
+        run_args=["--num_stages", str(NUM_STAGES), "--seed", str(args.seed), "--target_batch_size",
+                  str(args.target_batch_size), "--defences", "true" if spec.defences else "false", *model],
+        peer_args=FAST_PEER,
+        trainer_args=["--max_data_mb", str(MAX_DATA_MB), "--refresh_period_s", "0.5", "--log_period_s", "1",
+                      "--batch_size", str(args.batch_size), "--max_in_flight", str(args.max_in_flight),
+                      "--duration_s", str(args.duration_s)],
+        num_stages=NUM_STAGES)
+    run = Run(spec, swarm)
+    started = time.monotonic()
+    try:
+        log(f"[{spec.label}] starting (run {run_id})")
+        await asyncio.to_thread(swarm.bootstrap, 60.0)
+        await start_peers(run, args)
+        await start_trainers(run, args)
+        log(f"[{spec.label}] {len(run.trainers)} trainers ready after {time.monotonic() - started:.0f}s; "
+            f"training for {args.duration_s:.0f}s")
+        result = await train_and_measure(run, args, batches)
+    except (TimeoutError, asyncio.TimeoutError, RuntimeError, OSError) as e:
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log(f"[{spec.label}] FAILED: {type(e).__name__}: {message}")
+        result = {"label": spec.label, "defences": spec.defences, "error": f"{type(e).__name__}: {message}"}
+    finally:
+        await asyncio.to_thread(swarm.close, STOP_TIMEOUT_S)
+    if run.errors:
+        result["errors"] = run.errors
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    log(f"[{spec.label}] loss {_fmt(result.get('loss'))} held-out {_fmt(result.get('heldout_loss'))} "
+        f"steps {result.get('global_steps')} lost {result.get('samples_lost')} "
+        f"excluded after {_fmt(result.get('attacker_excluded_after_s'), 2)} s ({result['wall_s']}s wall)")
+    return result
+
+
+# ---- combining the runs ----
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if math.isfinite(value) else "nan"
+    return str(value)
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+def _diverged(run: Optional[Dict[str, Any]], initial: float) -> Optional[bool]:
+    """Not finite, or no better than the initialisation on held-out data; None when the run gave no loss."""
+    if run is None or (run.get("heldout_loss") is None and run.get("loss") is None):
+        return None
+    heldout, loss = run.get("heldout_loss"), run.get("loss")
+    return bool((heldout is not None and not (math.isfinite(heldout) and heldout < initial))
+                or (loss is not None and not math.isfinite(loss)))
+
+
+def shape(attack: Attack, args) -> str:
+    other = 1 - attack.stage
+    attacker = "no faulty replica" if attack.by_trainer else "1 attacker"
+    if attack.late_joiner:
+        attacker += ", 1 joining at 1/3"
+    trainers = "trainer1 attacker" if attack.by_trainer else "2 honest trainers"
+    return (f"stage {attack.stage} x{args.attacked_replicas} ({attacker}), stage {other} x{args.other_replicas}, "
+            f"{trainers}")
+
+
+def combine(attack: Attack, args, clean: Dict[bool, Dict[str, Any]], on: Dict[str, Any],
+            off: Optional[Dict[str, Any]], initial: float) -> Dict[str, Any]:
+    """One attack's row: its defended and undefended runs beside the clean runs of its swarm shape."""
+    clean_on, clean_off, off_ = clean[True], clean.get(False), off or {}
+    return {
+        "attack": attack.name, "shape": shape(attack, args),
+        "loss_clean": clean_on.get("loss"), "loss_defended": on.get("loss"), "loss_undefended": off_.get("loss"),
+        "loss_clean_undefended": (clean_off or {}).get("loss"),
+        "loss_ratio_defended_vs_clean": _ratio(on.get("loss"), clean_on.get("loss")),
+        "heldout_loss_initial": initial, "heldout_loss_clean": clean_on.get("heldout_loss"),
+        "heldout_loss_defended": on.get("heldout_loss"), "heldout_loss_undefended": off_.get("heldout_loss"),
+        "attacker_excluded_after_s": on.get("attacker_excluded_after_s"),
+        "attacker_excluded_after_online_s": on.get("attacker_excluded_after_online_s"),
+        "attacker_excluded_after_s_undefended": off_.get("attacker_excluded_after_s"),
+        "samples_lost": on.get("samples_lost"), "samples_lost_undefended": off_.get("samples_lost"),
+        "samples_lost_clean": clean_on.get("samples_lost"),
+        "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
+        "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"),
+                                                     clean_on.get("throughput_samples_per_s")),
+        "undefended_diverged": _diverged(off, initial),
+        "runs": {"defended": on, "undefended": off},
+    }
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON has no NaN or infinity: such floats become null (``*_diverged`` says why a loss is missing)."""
+    if isinstance(value, float):
+        return round(value, 4) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+TABLE = (("attack", "attack", 22), ("loss clean", "loss_clean", 10), ("loss def", "loss_defended", 9),
+         ("loss undef", "loss_undefended", 10), ("held-out clean", "heldout_loss_clean", 14),
+         ("held-out def", "heldout_loss_defended", 12), ("held-out undef", "heldout_loss_undefended", 14),
+         ("excluded s", "attacker_excluded_after_s", 10), ("lost", "samples_lost", 6),
+         ("thr ratio", "throughput_ratio_defended_vs_clean", 9), ("undef diverged", "undefended_diverged", 14))
+
+
+def print_table(rows: List[Dict[str, Any]]) -> None:
+    print("  ".join(title.rjust(width) for title, _, width in TABLE), flush=True)
+    for row in rows:
+        print("  ".join(_fmt(row.get(key)).rjust(width) for _, key, width in TABLE), flush=True)
+
+
+def summary(clean: Dict[Tuple[int, bool], Dict[str, Any]]) -> str:
+    parts = []
+    for stage in sorted({s for s, _ in clean}):
+        on = clean[(stage, True)].get("throughput_samples_per_s")
+        off = (clean.get((stage, False)) or {}).get("throughput_samples_per_s")
+        parts.append(f"stage-{stage} shape: defences on {_fmt(on, 1)} / off {_fmt(off, 1)} samples/s "
+                     f"= {_fmt(_ratio(on, off))}")
+    return "clean throughput of trainer0, defended/undefended: " + "; ".join(parts)
+
+
+async def main(args) -> List[Dict[str, Any]]:
+    log_dir = make_log_dir(args.log_dir, "bench_attacks_")
+    attacks = [ATTACKS[name] for name in args.attacks.split(",")]
+    model = tiny_model_config()
+    batches = heldout_batches(model, MAX_DATA_MB)
+    initial = initial_loss(model, NUM_STAGES, args.seed, batches)
+    modes = (True,) if args.skip_undefended else (True, False)
+    log(f"{len(attacks)} attacks, defences {'on' if args.skip_undefended else 'on and off'}, {args.duration_s:.0f}s "
+        f"each; held-out loss of the initialisation {initial:.4f}; logs in {log_dir}")
+    clean: Dict[Tuple[int, bool], Dict[str, Any]] = {}
+    for stage in sorted({a.stage for a in attacks}):
+        for defences in modes:
+            clean[(stage, defences)] = await run_once(RunSpec(stage, defences), args, log_dir, batches)
+    rows = []
+    for attack in attacks:
+        on = await run_once(RunSpec(attack.stage, True, attack), args, log_dir, batches)
+        off = None if args.skip_undefended else await run_once(RunSpec(attack.stage, False, attack), args, log_dir, batches)
+        rows.append(combine(attack, args, {d: clean[(attack.stage, d)] for d in modes}, on, off, initial))
+    print_table(rows)
+    print(summary(clean), flush=True)
+    return [_json_safe({**row, "log_dir": str(log_dir)}) for row in rows]
+
+
+if __name__ == "__main__":
+    install_signal_handlers()
+    print(json.dumps(asyncio.run(main(parse_args()))), flush=True)

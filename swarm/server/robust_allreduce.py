@@ -1,0 +1,294 @@
+"""One averaging round of a stage group in which every member aggregates everything itself.
+
+hivemind's butterfly all-reduce makes each member reduce one part of the vector for everyone, so a
+lying member could return any values for its part, and CenteredClip needs the distance between whole
+gradients anyway. Here the round has two exchanges over hivemind's ``rpc_aggregate_part`` stream:
+
+1. **gradients**: every member streams its whole gradient (float32 chunks) to every other member,
+   headed by a *commitment* it signs with its peer identity: group id, sender, sample count, size and
+   the SHA-256 of the bytes. A receiver refuses a gradient whose bytes do not match the commitment,
+   whose signature does not verify, or whose signer is not the peer on the other end of the stream.
+2. **echo**: every member forwards the signed commitments it received to every other member. Two valid
+   commitments of one sender with different hashes prove that it sent different gradients to different
+   members (the way to corrupt a group without reducers); every honest member that sees the proof
+   drops that sender and bans it.
+
+Each member then runs :func:`swarm.policy.aggregation.robust_aggregate` on the same inputs in the same
+order, so honest members end with bit-identical results. Should a liar still make honest members
+hold different inputs (by withholding its gradient from some), their parameter digests differ after
+the step, and the minority downloads the majority's state (see :mod:`swarm.policy.steps`).
+
+Costs: each member sends its gradient to n-1 peers (a butterfly sends about 2x(n-1)/n of it), which
+is the price of letting every member check every contribution; stage groups are small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MSGPackSerializer, get_logger
+from hivemind.utils.asyncio import aiter_with_timeout, anext
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from swarm.identity import peer_id_of
+from swarm.policy.aggregation import Aggregate, AggregationConfig, equivocators, robust_aggregate
+
+__all__ = ["RobustRound", "Commitment", "sign_commitment", "check_commitment", "CHUNK_ELEMENTS"]
+
+logger = get_logger(__name__)
+CHUNK_ELEMENTS = 2**17  # float32 values per streamed chunk (512 KiB)
+MAX_ECHOED = 64  # commitments one echo may carry
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """A member's signed statement of what it contributes to one group's round."""
+
+    group_id: bytes
+    sender: str
+    samples: float
+    size: int
+    sha256: str
+    public_key: bytes
+    signature: bytes
+
+    def payload(self) -> bytes:
+        return _payload(self.group_id, self.sender, self.samples, self.size, self.sha256)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"group_id": self.group_id, "sender": self.sender, "samples": self.samples, "size": self.size,
+                "sha256": self.sha256, "public_key": self.public_key, "signature": self.signature}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Commitment":
+        if not isinstance(data, dict):
+            raise ValueError("a commitment must be a dict")
+        try:
+            commitment = cls(bytes(data["group_id"]), str(data["sender"]), float(data["samples"]), int(data["size"]),
+                             str(data["sha256"]), bytes(data["public_key"]), bytes(data["signature"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed commitment: {type(e).__name__}: {e}") from None
+        return commitment
+
+
+def _payload(group_id: bytes, sender: str, samples: float, size: int, sha256: str) -> bytes:
+    return MSGPackSerializer.dumps([b"swarm-gradient-commitment", group_id, sender, float(samples), int(size), sha256])
+
+
+def vector_hash(vector: torch.Tensor) -> str:
+    return hashlib.sha256(vector.contiguous().numpy().tobytes()).hexdigest()
+
+
+def sign_commitment(key: RSAPrivateKey, group_id: bytes, sender: str, samples: float, vector: torch.Tensor) -> Commitment:
+    sha = vector_hash(vector)
+    signature = key.sign(_payload(group_id, sender, samples, vector.numel(), sha))
+    return Commitment(group_id, sender, float(samples), vector.numel(), sha, key.get_public_key().to_bytes(), signature)
+
+
+def check_commitment(commitment: Commitment, group_id: bytes, size: int, sender: Optional[str] = None) -> None:
+    """Raise ValueError unless the commitment is for this round, signed by the peer it names."""
+    if commitment.group_id != group_id:
+        raise ValueError("commitment for another group")
+    if commitment.size != size:
+        raise ValueError(f"commitment for {commitment.size} values, the round has {size}")
+    if sender is not None and commitment.sender != sender:
+        raise ValueError(f"commitment names {commitment.sender}, but {sender} sent it")
+    if peer_id_of(commitment.public_key) != commitment.sender:
+        raise ValueError(f"commitment of {commitment.sender} carries another peer's key")
+    if not RSAPublicKey.from_bytes(commitment.public_key).verify(commitment.payload(), commitment.signature):
+        raise ValueError(f"commitment of {commitment.sender} has a bad signature")
+
+
+def _chunks(vector: torch.Tensor) -> List[runtime_pb2.Tensor]:
+    return [serialize_torch_tensor(vector[i:i + CHUNK_ELEMENTS]) for i in range(0, vector.numel(), CHUNK_ELEMENTS)]
+
+
+class RobustRound:
+    """The state of one round at one member: what it sent, received, and decided.
+
+    ``send_override`` lets an emulated attacker send another vector to some members (tests and benchmarks)."""
+
+    def __init__(self, *, stub_for: Callable[[PeerID], Any], group_id: bytes, peer_ids: Sequence[PeerID], peer_id: PeerID,
+                 vector: torch.Tensor, samples: float, key: RSAPrivateKey, config: AggregationConfig,
+                 banned: Set[str], timeout: float, chunk_timeout: float, max_samples: Optional[float] = None,
+                 send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None):
+        self.stub_for, self.group_id, self.peer_id = stub_for, group_id, peer_id
+        self.others = [p for p in peer_ids if p != peer_id]
+        self.vector = vector.detach().to(torch.float32).contiguous()
+        self.samples, self.key, self.config, self.banned = samples, key, config, banned
+        self.timeout, self.chunk_timeout = timeout, chunk_timeout
+        self.max_samples, self.send_override = max_samples, send_override
+        self.size = self.vector.numel()
+        self.received: Dict[str, torch.Tensor] = {}
+        self.commitments: Dict[str, Commitment] = {}  # sender -> the commitment that came with its gradient
+        self.seen: Dict[str, Set[str]] = {}  # sender -> hashes it signed for this round (direct and echoed)
+        self._gradients_in = asyncio.Event()
+        self._started: Set[str] = set()  # senders whose gradient stream has begun
+        self._echoes_from: Set[str] = set()
+        self._echoes_in = asyncio.Event()
+        self.refused: Dict[str, str] = {}  # sender -> why its gradient was refused
+        self._deadline = time.monotonic() + timeout
+        self._check_done()
+
+    # ---- receiving ----
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        sender = str(context.remote_id)
+        try:
+            if context.remote_id not in self.others:
+                raise ValueError("not a member of this group")
+            stream = aiter_with_timeout(stream, self.chunk_timeout)
+            first = await anext(stream)
+            header = MSGPackSerializer.loads(first.peer_id) if first.peer_id else None
+            if first.group_id != self.group_id or not isinstance(header, dict):
+                raise ValueError("bad first message")
+            if header.get("kind") == "gradient":
+                await self._receive_gradient(sender, header, first, stream)
+            elif header.get("kind") == "echo":
+                self._receive_echo(sender, header)
+            else:
+                raise ValueError(f"unknown message kind {header.get('kind')!r}")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+        except Exception as e:
+            self.refused.setdefault(sender, f"{type(e).__name__}: {e}")
+            logger.debug(f"refused a message of {sender}: {e}")
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+
+    async def _receive_gradient(self, sender: str, header: Dict[str, Any], first: averaging_pb2.AveragingData,
+                                stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:
+        commitment = Commitment.from_dict(header.get("commitment"))
+        check_commitment(commitment, self.group_id, self.size, sender)
+        self._note(commitment)
+        self._started.add(sender)
+        parts, count, message = [], 0, first
+        while True:
+            part = deserialize_torch_tensor(message.tensor_part)
+            if part.dtype != torch.float32 or part.ndim != 1:
+                raise ValueError(f"gradient chunk of {part.dtype} with {part.ndim} dims")
+            parts.append(part)
+            count += part.numel()
+            if count >= self.size:
+                break
+            message = await anext(stream)
+        if count != self.size:
+            raise ValueError(f"sent {count} values, the round has {self.size}")
+        vector = torch.cat(parts)
+        if vector_hash(vector) != commitment.sha256:
+            raise ValueError("gradient does not match its signed hash")
+        self.received[sender], self.commitments[sender] = vector, commitment
+        self._check_done()
+
+    def _receive_echo(self, sender: str, header: Dict[str, Any]) -> None:
+        echoed = header.get("commitments")
+        if not isinstance(echoed, list) or len(echoed) > MAX_ECHOED:
+            raise ValueError("an echo must be a short list of commitments")
+        for data in echoed:
+            try:
+                commitment = Commitment.from_dict(data)
+                check_commitment(commitment, self.group_id, self.size)
+            except ValueError as e:
+                logger.debug(f"{sender} echoed an invalid commitment: {e}")
+                continue
+            self._note(commitment)
+        self._echoes_from.add(sender)
+        if self._echoes_from >= {str(p) for p in self.others}:
+            self._echoes_in.set()
+
+    def _note(self, commitment: Commitment) -> None:
+        self.seen.setdefault(commitment.sender, set()).add(commitment.sha256)
+
+    def _check_done(self) -> None:
+        if set(self.received) >= {str(p) for p in self.others}:
+            self._gradients_in.set()
+
+    # ---- sending ----
+
+    async def _send(self, peer: PeerID, header: Dict[str, Any], chunks: Sequence[runtime_pb2.Tensor]) -> None:
+        async def messages():
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                              peer_id=MSGPackSerializer.dumps(header),
+                                              tensor_part=chunks[0] if chunks else runtime_pb2.Tensor())
+            for chunk in chunks[1:]:
+                yield averaging_pb2.AveragingData(tensor_part=chunk)
+
+        async def exchange():
+            replies = await self.stub_for(peer).rpc_aggregate_part(messages())
+            reply = await anext(replies)
+            if reply.code != averaging_pb2.AVERAGED_PART:
+                raise ValueError(f"{peer} answered {averaging_pb2.MessageCode.Name(reply.code)}")
+
+        try:
+            await asyncio.wait_for(exchange(), max(0.0, self._deadline - time.monotonic()))
+        except Exception as e:
+            logger.debug(f"sending to {peer} failed: {type(e).__name__}: {e}")
+
+    async def _send_gradients(self) -> None:
+        own = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.vector)
+        self._note(own)
+        self.commitments[str(self.peer_id)] = own
+        sends = []
+        for index, peer in enumerate(self.others):
+            vector = self.vector if self.send_override is None else self.send_override(index, self.vector)
+            commitment = own if vector is self.vector else sign_commitment(
+                self.key, self.group_id, str(self.peer_id), self.samples, vector.to(torch.float32).contiguous())
+            chunks = await asyncio.get_running_loop().run_in_executor(None, _chunks, vector.to(torch.float32).contiguous())
+            sends.append(self._send(peer, {"kind": "gradient", "commitment": commitment.to_dict()}, chunks))
+        await asyncio.gather(*sends)
+
+    async def _send_echoes(self) -> None:
+        echoed = [c.to_dict() for c in list(self.commitments.values())[:MAX_ECHOED]]
+        await asyncio.gather(*(self._send(peer, {"kind": "echo", "commitments": echoed}, ()) for peer in self.others))
+
+    # ---- the round ----
+
+    async def _wait_for_gradients(self, started: float) -> None:
+        """Until every groupmate's gradient is in, or the deadline; a groupmate that has not begun sending
+        within ``chunk_timeout`` is not waited for once the others are done."""
+        while not self._gradients_in.is_set() and time.monotonic() < self._deadline:
+            if time.monotonic() > started + self.chunk_timeout and set(self.received) | set(self.refused) >= self._started:
+                return
+            await asyncio.sleep(0.02)
+
+    async def run(self) -> Aggregate:
+        started = time.monotonic()
+        self._deadline = started + self.timeout
+        await self._send_gradients()
+        await self._wait_for_gradients(started)
+        await self._send_echoes()
+        await _wait(self._echoes_in, min(self._deadline, time.monotonic() + self.chunk_timeout))
+        contributions = dict(self.received)
+        contributions[str(self.peer_id)] = self.vector
+        claims = {sender: c.samples for sender, c in self.commitments.items()}
+        aggregate = await asyncio.get_running_loop().run_in_executor(
+            None, _aggregate_single_threaded, contributions, claims, self.config, set(self.banned),
+            equivocators(self.seen), self.max_samples)
+        for peer in self.others:
+            if str(peer) not in contributions and str(peer) not in aggregate.excluded:
+                aggregate.excluded[str(peer)] = self.refused.get(str(peer), "sent no gradient in time")
+        return aggregate
+
+
+async def _wait(event: asyncio.Event, deadline: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        pass
+
+
+def _aggregate_single_threaded(*args) -> Aggregate:
+    """The aggregation with one intra-op thread: reductions then split the same way on every replica."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return robust_aggregate(*args)
+    finally:
+        torch.set_num_threads(threads)

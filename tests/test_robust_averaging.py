@@ -1,0 +1,172 @@
+"""Robust averaging rounds of real StageAveragers on 127.0.0.1: a lying member is dropped and banned,
+and the honest members end with identical, finite results; without the defence the same lie gets in."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import List, Optional
+
+import pytest
+import torch
+
+from swarm.config import NetworkConfig
+from swarm.dht import start_dht
+from swarm.policy.aggregation import AggregationConfig
+from swarm.server.averaging import RoundResult, StageAverager
+
+SHAPES = [torch.zeros(64, 8), torch.zeros(32)]
+SAMPLES = 16
+
+
+class Group:
+    """Four DHT nodes with an averager each; ``close()`` shuts every process down."""
+
+    def __init__(self, faults: List[str], robust: bool, prefix: str):
+        self.dhts, self.averagers = [], []
+        try:
+            for fault in faults:
+                network = NetworkConfig(initial_peers=self._initial_peers())
+                dht = start_dht(network)
+                self.dhts.append(dht)
+                self.averagers.append(StageAverager(
+                    SHAPES, lambda: ({}, []), dht=dht, start=True, prefix=prefix, min_group_size=2,
+                    min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0, next_chunk_timeout=6.0,
+                    initial_group_bits="0" * 16, fault=fault, aggregation=AggregationConfig() if robust else None,
+                    signing_key=dht.identity.private_key))
+        except BaseException:
+            self.close()
+            raise
+
+    def _initial_peers(self) -> List[str]:
+        return [str(a) for a in self.dhts[0].get_visible_maddrs()] if self.dhts else []
+
+    async def round(self, grads: List[List[torch.Tensor]]) -> List[Optional[RoundResult]]:
+        return list(await asyncio.gather(*(
+            averager.average(0, g, SAMPLES, {"step": 0, "samples": SAMPLES}, matchmaking_timeout=8.0, timeout=30.0)
+            for averager, g in zip(self.averagers, grads))))
+
+    def close(self) -> None:
+        for averager in self.averagers:
+            if averager.is_alive():
+                averager.shutdown()
+        for dht in self.dhts:
+            if dht.is_alive():
+                dht.shutdown()
+
+
+def honest_grads(seed: int) -> List[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s.shape, generator=torch.Generator().manual_seed(0)) for s in SHAPES]
+    return [b + 0.3 * torch.randn(b.shape, generator=generator) for b in base]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+
+
+@pytest.fixture
+def group_factory():
+    groups: List[Group] = []
+
+    def make(faults: List[str], robust: bool = True) -> Group:
+        groups.append(Group(faults, robust, prefix=f"robust{len(groups)}"))
+        return groups[-1]
+
+    try:
+        yield make
+    finally:
+        for group in groups:
+            group.close()
+
+
+async def test_a_nan_replica_is_dropped_and_banned_and_the_others_agree(group_factory):
+    group = group_factory(["none", "none", "none", "nan_gradients"], robust=True)
+    attacker = str(group.dhts[3].peer_id)
+    results = await group.round([honest_grads(i) for i in range(4)])
+    honest = results[:3]
+    for result in honest:
+        assert result is not None and bool(torch.isfinite(flat(result.tensors)).all())
+        assert attacker in result.banned and "non-finite" in result.banned[attacker]
+        assert attacker not in result.included and len(result.included) == 3
+    assert all(torch.equal(flat(honest[0].tensors), flat(r.tensors)) for r in honest[1:])
+    # banned: in the next round the honest averagers refuse the attacker's join requests and parts
+    again = await group.round([honest_grads(10 + i) for i in range(4)])
+    for result in again[:3]:
+        assert result is not None and attacker not in result.included
+
+
+async def test_without_the_defence_nan_and_sign_flip_get_in(group_factory):
+    """The plain weighted mean (defences off): the same attackers ruin every replica's result."""
+    grads = [honest_grads(i) for i in range(4)]
+    honest_mean = sum(flat(g) for g in grads[:3]) / 3
+    spread = float(torch.linalg.vector_norm(flat(grads[0]) - honest_mean))
+    group = group_factory(["none", "none", "none", "nan_gradients"], robust=False)
+    results = await group.round(grads)
+    assert all(r is not None and not bool(torch.isfinite(flat(r.tensors)).all()) for r in results[:3])
+    group.averagers[3]._fault.fault = "sign_flip_gradients"  # applied in this process, before the round
+    results = await group.round(grads)
+    assert all(float(torch.linalg.vector_norm(flat(r.tensors) - honest_mean)) > 100 * spread for r in results[:3])
+
+
+async def test_a_member_sending_different_gradients_to_different_members_is_caught(group_factory):
+    """The way to corrupt a group that has no reducers: tell each member something else. The signed
+    commitments that members echo to each other prove it, and every honest member drops the liar."""
+    group = group_factory(["none", "none", "none", "equivocate_gradients"], robust=True)
+    attacker = str(group.dhts[3].peer_id)
+    results = await group.round([honest_grads(i) for i in range(4)])
+    for result in results[:3]:
+        assert result is not None
+        assert attacker in result.banned and "two different gradients" in result.banned[attacker], result.banned
+        assert attacker not in result.included
+    assert all(torch.equal(flat(results[0].tensors), flat(r.tensors)) for r in results[1:3])
+
+
+async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_of_clean(launcher, probe):
+    """Live: stage 0 has four replicas, one sending its gradients x -1000 to every round. The honest replicas
+    ban it, and the model they train ends as good as single-process training on the same samples."""
+    from swarm.data import load_corpus, validation_batches
+    from swarm.local_training import OptimizerConfig, evaluate, train_single_process
+    from swarm.model import FullModel, ModelConfig
+    from tests.utils.probe import online
+
+    model_config = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
+    target, samples, lr = 64, 640, 0.003
+    honest = [launcher.peer(0, target_batch_size=target, extra=["--lr", str(lr)], name=f"s0_{i}") for i in range(3)]
+    attacker = launcher.peer(0, target_batch_size=target, extra=["--lr", str(lr), "--fault", "sign_flip_gradients"],
+                             name="s0_attacker")
+    attacker_id = attacker.wait_event("peer_ready", timeout=30)["peer_id"]
+    launcher.peer(1, target_batch_size=target, extra=["--lr", str(lr)], name="s1")
+    await probe.wait_for(lambda r: len(online(r, 0)) == 4 and len(online(r, 1)) == 1, 40, "4 + 1 replicas online")
+    trainer = launcher.trainer(target_batch_size=target, extra=["--lr", str(lr), "--max_samples", str(samples),
+                                                                "--max_in_flight", "2"])
+    assert trainer.wait_event("trainer_done", timeout=240)["samples_sent"] == samples
+    honest_ids = [p.wait_event("peer_ready", timeout=1)["peer_id"] for p in honest]
+
+    def settled(r) -> bool:
+        good = [r[p] for p in honest_ids if p in r]
+        return (len(good) == 3 and len({x.step for x in good} | {x.step for x in online(r, 1)}) == 1
+                and not any(x.samples_frozen for x in good) and sum(x.samples_pending for x in online(r, 1)) < target)
+
+    records = await probe.wait_for(settled, 90, "the honest replicas to finish their last global step")
+    exported = [await probe.call(p, "parameters", {}) for p in honest_ids]
+    for other in exported[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(exported[0]["parameters"], other["parameters"]))
+    model = FullModel(model_config, num_stages=2, seed=0)
+    last = await probe.call(online(records, 1)[0].peer_id, "parameters", {})
+    with torch.no_grad():
+        for stage, values in ((0, exported[0]["parameters"]), (1, last["parameters"])):
+            for param, value in zip(model.stages[stage].parameters(), values):
+                param.copy_(value)
+    corpus = load_corpus(None, max_bytes=2 * 2**20)
+    batches = validation_batches(corpus.validation, model_config.seq_len, batch_size=32, num_batches=8)
+    steps = records[honest_ids[0]].step
+    applied = records[honest_ids[0]].samples_applied
+    local, _ = train_single_process(model_config, 2, 0, OptimizerConfig(lr=lr), batch_size=round(applied / steps),
+                                    num_steps=steps, sampler_seed=7, corpus=corpus)
+    swarm_loss, local_loss = evaluate(model, batches), evaluate(local, batches)
+    initial = evaluate(FullModel(model_config, num_stages=2, seed=0), batches)
+    print(f"validation loss: initial {initial:.4f}, swarm with a sign-flipping replica {swarm_loss:.4f}, "
+          f"single process {local_loss:.4f}; {steps} steps, {applied} samples")
+    assert initial - local_loss > 0.5
+    assert abs(swarm_loss - local_loss) <= 0.05 * local_loss
+    assert any(f"excluding {attacker_id} from averaging" in p.log_tail(2000) for p in honest)
