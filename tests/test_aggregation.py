@@ -139,3 +139,14 @@ def test_a_member_without_samples_takes_part_with_nothing_to_add():
     assert torch.equal(with_empty.vector, without.vector)
     nobody = robust_aggregate({"e": torch.zeros(3), "f": torch.zeros(3)}, {"e": 0, "f": 0}, AggregationConfig())
     assert nobody.included == ["e", "f"] and torch.equal(nobody.vector, torch.zeros(3, dtype=torch.float64))
+
+
+def test_members_keep_the_gradients_most_of_them_hold():
+    from swarm.server.robust_allreduce import agreed_contributions
+
+    full = {"a", "b", "c", "d"}
+    assert agreed_contributions({"a": full, "b": full, "c": full, "d": full}) == full
+    # d reached only a: the others hold no copy, so every member drops d alike
+    assert agreed_contributions({"a": full, "b": full - {"d"}, "c": full - {"d"}, "d": full}) == {"a", "b", "c"}
+    # one lying echo ("I hold nothing") cannot veto the others' gradients
+    assert agreed_contributions({"a": full, "b": full, "c": full, "d": {"d"}}) == full

@@ -40,7 +40,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from swarm.auth import Allowlist
 from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.server.faults import GradientFault
-from swarm.server.robust_allreduce import RobustRound
+from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 
 __all__ = ["StageAverager", "RoundResult", "step_group_bits"]
 
@@ -125,6 +125,15 @@ class StageAverager(DecentralizedAverager):
 
     # ---- private runs: every check below runs in the averager's process ----
 
+    def ban(self, peer_ids: Iterable[str], duration_s: float) -> None:
+        """Ban peers from this averager's groups for ``duration_s`` (e.g. those most of the stage banned)."""
+        self._outer_pipe.send(("_ban", [], dict(peer_ids=[str(p) for p in peer_ids], duration_s=float(duration_s))))
+
+    async def _ban(self, peer_ids: List[str], duration_s: float) -> None:
+        until = time.monotonic() + duration_s
+        for peer_id in peer_ids:
+            self._banned[peer_id] = max(self._banned.get(peer_id, until), until)
+
     def _is_banned(self, peer_id: PeerID) -> bool:
         until = self._banned.get(str(peer_id))
         return until is not None and until > time.monotonic()
@@ -195,6 +204,8 @@ class StageAverager(DecentralizedAverager):
             raise error
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         outcome = self._outcomes.pop(group_info.group_id, None)
+        if outcome is None and self._aggregation is not None:
+            raise MatchmakingException("this member sat the robust round out")
         if outcome is not None:
             gathered = dict(gathered)
             gathered[OUTCOME_KEY] = {"included": outcome.included, "weights": outcome.weights,
@@ -225,7 +236,11 @@ class StageAverager(DecentralizedAverager):
             max_samples=self._max_samples,
             send_override=self._fault.send_override())
         self._running_groups[group_id].set_result(round_)
-        outcome = await round_.run()
+        try:
+            outcome = await round_.run()
+        except IncompleteRound as e:
+            logger.info(f"sitting this averaging round out: {e}")
+            return  # no outcome recorded: _aggregate_with_group fails the round, and the tensors stay as they were
         for peer in outcome.banned:
             self._banned[peer] = time.monotonic() + self._ban_s
         if outcome.vector is None:

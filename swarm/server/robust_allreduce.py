@@ -13,8 +13,10 @@ gradients anyway. Here the round has two exchanges over hivemind's ``rpc_aggrega
    members (the way to corrupt a group without reducers); every honest member that sees the proof
    drops that sender and bans it.
 
-Each member then runs :func:`swarm.policy.aggregation.robust_aggregate` on the same inputs in the same
-order, so honest members end with bit-identical results. Should a liar still make honest members
+A gradient goes in only if most members that echoed hold it (see :func:`agreed_contributions`), so a
+gradient that some members missed (it came late, or its sender skipped them) is dropped by all alike. Each member then runs
+:func:`swarm.policy.aggregation.robust_aggregate` on the same inputs in the same order, so honest members
+end with bit-identical results. Should a liar still make honest members
 hold different inputs (by withholding its gradient from some), their parameter digests differ after
 the step, and the minority downloads the majority's state (see :mod:`swarm.policy.steps`).
 
@@ -41,7 +43,8 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from swarm.identity import peer_id_of
 from swarm.policy.aggregation import Aggregate, AggregationConfig, equivocators, robust_aggregate
 
-__all__ = ["RobustRound", "Commitment", "sign_commitment", "check_commitment", "CHUNK_ELEMENTS"]
+__all__ = ["RobustRound", "Commitment", "IncompleteRound", "agreed_contributions", "sign_commitment", "check_commitment",
+           "CHUNK_ELEMENTS"]
 
 logger = get_logger(__name__)
 CHUNK_ELEMENTS = 2**17  # float32 values per streamed chunk (512 KiB)
@@ -133,6 +136,7 @@ class RobustRound:
         self._gradients_in = asyncio.Event()
         self._started: Set[str] = set()  # senders whose gradient stream has begun
         self._echoes_from: Set[str] = set()
+        self.held_by: Dict[str, Set[str]] = {}  # echoing member -> senders whose gradients it says it holds
         self._echoes_in = asyncio.Event()
         self.refused: Dict[str, str] = {}  # sender -> why its gradient was refused
         self._deadline = time.monotonic() + timeout
@@ -191,6 +195,7 @@ class RobustRound:
         echoed = header.get("commitments")
         if not isinstance(echoed, list) or len(echoed) > MAX_ECHOED:
             raise ValueError("an echo must be a short list of commitments")
+        held = set()
         for data in echoed:
             try:
                 commitment = Commitment.from_dict(data)
@@ -199,6 +204,8 @@ class RobustRound:
                 logger.debug(f"{sender} echoed an invalid commitment: {e}")
                 continue
             self._note(commitment)
+            held.add(commitment.sender)
+        self.held_by[sender] = held
         self._echoes_from.add(sender)
         if self._echoes_from >= {str(p) for p in self.others}:
             self._echoes_in.set()
@@ -252,9 +259,10 @@ class RobustRound:
 
     async def _wait_for_gradients(self, started: float) -> None:
         """Until every groupmate's gradient is in, or the deadline; a groupmate that has not begun sending
-        within ``chunk_timeout`` is not waited for once the others are done."""
+        by half the round's time is not waited for once the others are done (it is likely gone)."""
+        patience = max(self.chunk_timeout, self.timeout / 2)
         while not self._gradients_in.is_set() and time.monotonic() < self._deadline:
-            if time.monotonic() > started + self.chunk_timeout and set(self.received) | set(self.refused) >= self._started:
+            if time.monotonic() > started + patience and set(self.received) | set(self.refused) >= self._started:
                 return
             await asyncio.sleep(0.02)
 
@@ -265,16 +273,40 @@ class RobustRound:
         await self._wait_for_gradients(started)
         await self._send_echoes()
         await _wait(self._echoes_in, min(self._deadline, time.monotonic() + self.chunk_timeout))
-        contributions = dict(self.received)
-        contributions[str(self.peer_id)] = self.vector
+        me = str(self.peer_id)
+        held_by = {**{m: h for m, h in self.held_by.items() if m not in self.banned}, me: set(self.received) | {me}}
+        agreed = agreed_contributions(held_by)
+        if me not in agreed:
+            raise IncompleteRound("most of the group did not receive this member's gradient")
+        missing = agreed - set(self.received) - {me}
+        if missing:
+            raise IncompleteRound(f"most of the group holds gradients this member did not receive: {sorted(missing)}")
+        contributions = {sender: vector for sender, vector in self.received.items() if sender in agreed}
+        contributions[me] = self.vector
         claims = {sender: c.samples for sender, c in self.commitments.items()}
         aggregate = await asyncio.get_running_loop().run_in_executor(
             None, _aggregate_single_threaded, contributions, claims, self.config, set(self.banned),
             equivocators(self.seen), self.max_samples)
         for peer in self.others:
             if str(peer) not in contributions and str(peer) not in aggregate.excluded:
-                aggregate.excluded[str(peer)] = self.refused.get(str(peer), "sent no gradient in time")
+                why = "a groupmate did not receive its gradient" if str(peer) in self.received else "sent no gradient in time"
+                aggregate.excluded[str(peer)] = self.refused.get(str(peer), why)
         return aggregate
+
+
+class IncompleteRound(Exception):
+    """This member lacks a gradient that most of its group holds: it cannot compute the group's result."""
+
+
+def agreed_contributions(held_by: Dict[str, Set[str]]) -> Set[str]:
+    """The senders whose gradients a strict majority of the members that echoed (this one included) hold.
+
+    Every member decides on the same echoes, so all drop alike a gradient that some of them missed (a late
+    sender, or one that skipped some members), and one lying echo cannot veto an honest gradient. A member
+    that lacks an agreed gradient sits the round out (see :class:`IncompleteRound`)."""
+    voters = len(held_by)
+    senders = set().union(*held_by.values()) if held_by else set()
+    return {s for s in senders if 2 * sum(1 for held in held_by.values() if s in held) > voters}
 
 
 async def _wait(event: asyncio.Event, deadline: float) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from hivemind.utils import get_logger
 
+from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     ReplicaClaim, StageView, must_wait, near_target, needs_resync, overclaimers, step_alone, step_is_due,
     trusted_others,
@@ -67,10 +68,25 @@ class StepCoordinator:
         claims = [ReplicaClaim(r.peer_id, r.step, r.accum_step, r.samples_pending, r.samples_admitted, r.digest)
                   for r in records.values()
                   if r.stage == peer.stage and r.peer_id != peer.peer_id and r.state == "online"]
+        self._adopt_stage_bans(records)
         self._others = trusted_others(claims, self._distrusted)
         last = peer.run.num_stages - 1
         self._clock_steps = tuple(r.step for r in records.values() if r.stage == last and r.state in ("online", "leaving")
                                   and r.peer_id not in self._distrusted)
+
+    def _adopt_stage_bans(self, records: Dict[str, PeerRecord]) -> None:
+        """Ban, here too, a stage-mate that most of the stage banned from averaging: a replica that was not in
+        the round that caught it would otherwise still average with it (alone with it, in a group of two)."""
+        if not self.peer.run.defences:
+            return
+        peer = self.peer
+        excluded_by = {r.peer_id: r.excluded_peers for r in records.values() if r.stage == peer.stage and r.state == "online"}
+        excluded_by[peer.peer_id] = self.excluded()
+        for peer_id in sorted(banned_by_majority(excluded_by) - set(self._banned) - {peer.peer_id}):
+            logger.warning(f"stage {peer.stage}: excluding {peer_id} from averaging: most of the stage banned it")
+            self._banned[peer_id] = time.monotonic()
+            self.distrust([peer_id], "banned from averaging by most of the stage")
+            peer.averager.ban([peer_id], BAN_S)
 
     def distrust(self, peer_ids, why: str) -> None:
         for peer_id in peer_ids:
