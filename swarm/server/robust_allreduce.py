@@ -242,12 +242,15 @@ class RobustRound:
         own = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.vector)
         self._note(own)
         self.commitments[str(self.peer_id)] = own
+        loop = asyncio.get_running_loop()
+        own_chunks = await loop.run_in_executor(None, _chunks, self.vector)  # serialized once for every groupmate
         sends = []
         for index, peer in enumerate(self.others):
-            vector = self.vector if self.send_override is None else self.send_override(index, self.vector)
-            commitment = own if vector is self.vector else sign_commitment(
-                self.key, self.group_id, str(self.peer_id), self.samples, vector.to(torch.float32).contiguous())
-            chunks = await asyncio.get_running_loop().run_in_executor(None, _chunks, vector.to(torch.float32).contiguous())
+            commitment, chunks = own, own_chunks
+            if self.send_override is not None:  # an emulated equivocator: another vector for some groupmates
+                vector = self.send_override(index, self.vector).to(torch.float32).contiguous()
+                commitment = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, vector)
+                chunks = await loop.run_in_executor(None, _chunks, vector)
             sends.append(self._send(peer, {"kind": "gradient", "commitment": commitment.to_dict()}, chunks))
         await asyncio.gather(*sends)
 
