@@ -123,7 +123,7 @@ class StageAverager(DecentralizedAverager):
             averaged = [t.clone() for t in tensors]
         return RoundResult(averaged, {str(peer): data for peer, data in gathered.items()}, outcome)
 
-    # ---- private runs: every check below runs in the averager's process ----
+    # ---- who may take part (the allowlist of a private run, bans): checked in the averager's process ----
 
     def ban(self, peer_ids: Iterable[str], duration_s: float) -> None:
         """Ban peers from this averager's groups for ``duration_s`` (e.g. those most of the stage banned)."""
