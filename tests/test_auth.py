@@ -218,8 +218,8 @@ async def test_stage_averager_refuses_an_outsider(defended, caplog):
         outsider_state = await loop.run_in_executor(None, lambda: averagers[2].load_state_from_peers(timeout=5))
         if defended:
             for result in results[:2]:
-                assert result is not None and torch.equal(result[0][0], torch.full((4,), 2.0, dtype=torch.float64))
-                assert sorted(result[1]) == sorted(members), "the outsider took part in the group"
+                assert result is not None and torch.equal(result.tensors[0], torch.full((4,), 2.0, dtype=torch.float64))
+                assert sorted(result.gathered) == sorted(members), "the outsider took part in the group"
             assert results[2] is None, "the outsider's join must fail"
             assert outsider_state is None, "the outsider downloaded a member's state"
             member_state = await loop.run_in_executor(None, lambda: averagers[1].load_state_from_peers(timeout=5))
@@ -230,7 +230,7 @@ async def test_stage_averager_refuses_an_outsider(defended, caplog):
             assert caplog.text.count(f"refusing a test call from {dhts[2].peer_id}") == 1
             await assert_refuses_group_with_outsider(averagers[0], [dhts[0].peer_id, dhts[2].peer_id])
         else:  # the harm the allowlist prevents: the outsider's tensor is averaged in, its download succeeds
-            averaged = [r[0][0][0].item() for r in results[:2] if r is not None]
+            averaged = [r.tensors[0][0].item() for r in results[:2] if r is not None]
             assert averaged and all(abs(value - 104.0 / 3) < 1e-4 for value in averaged), results
             assert outsider_state is not None
 
