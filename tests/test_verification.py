@@ -438,3 +438,15 @@ async def check_replies_name_their_parameters_and_verification_counts_nothing(pr
     assert (await probe.call(last.peer_id, "info", {}))["samples_pending"] == before
     with pytest.raises(RemoteError, match="verify must be true or false"):
         await probe.call(last.peer_id, "backward", {**request, "verify": "yes"})
+
+
+def test_replies_from_diverged_replicas_at_one_step_are_not_compared():
+    from swarm.policy.verification import Observation, compare, outvoted
+
+    a = Observation("a", 3, {"outputs": torch.zeros(2), "digest": "d1"})
+    b = Observation("b", 3, {"outputs": torch.ones(2), "digest": "d2"})
+    c = Observation("c", 3, {"outputs": torch.zeros(2), "digest": "d1"})
+    assert compare(a, b, ["outputs"], 1e-4).comparison == "incomparable"
+    assert compare(a, Observation("b", 3, {"outputs": torch.ones(2), "digest": "d1"}), ["outputs"], 1e-4).comparison \
+        == "disagree"
+    assert outvoted([a, b, c], ["outputs"], 1e-4) is None

@@ -6,8 +6,9 @@ or range check catches. The defence (run by each trainer, see :mod:`swarm.client
 1. **Spot checks.** With probability ``verify_fraction`` per micro-batch and stage (``suspect_fraction``
    for a replica under suspicion), the trainer sends the same request to a second replica (a backward
    marked ``verify``, which computes without accumulating) and compares the two replies.
-2. **Same parameters only.** Replies carry the step of the parameters they were computed with;
-   replies at different steps are not compared (replicas step at slightly different moments). A
+2. **Same parameters only.** Replies carry the step and digest of the parameters they were computed with;
+   replies at different steps, or at one step from replicas whose parameters diverged, are not compared
+   (replicas step at slightly different moments, and a diverged replica resyncs from the majority). A
    replica whose replies keep escaping comparison (``max_strikes`` checks in a row, blamed on the
    reply whose step is missing or differs from what its stage announces) is banned by that trainer
    alone: there is no evidence to publish.
@@ -94,6 +95,19 @@ class Observation:
     step: Optional[int]
     reply: Mapping[str, Any]
 
+    @property
+    def digest(self) -> Optional[str]:
+        """The digest of the parameters that computed the reply, when the replica sent it."""
+        digest = self.reply.get("digest")
+        return digest if isinstance(digest, str) else None
+
+
+def _same_parameters(observations: Sequence[Observation]) -> bool:
+    """Replies at one step from replicas whose parameters differ (a stage whose replicas diverged, until they
+    resync) cannot be compared: their difference says nothing about who lied."""
+    digests = {o.digest for o in observations if o.digest is not None}
+    return len({o.step for o in observations}) == 1 and len(digests) <= 1
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -159,6 +173,8 @@ def compare(a: Observation, b: Observation, keys: Sequence[str], rtol: float) ->
     """Two replicas' replies to the same request: comparable only when computed at the same step."""
     if a.step is None or b.step is None or a.step != b.step:
         return Verdict("incomparable", f"steps {a.step} and {b.step}")
+    if not _same_parameters((a, b)):
+        return Verdict("incomparable", f"parameters {a.digest} and {b.digest} at step {a.step}")
     if replies_agree(a.reply, b.reply, keys, rtol):
         return Verdict("agree")
     distances = ", ".join(f"{key} {_distance(a.reply.get(key), b.reply.get(key)):.3g}" for key in keys)
@@ -168,7 +184,7 @@ def compare(a: Observation, b: Observation, keys: Sequence[str], rtol: float) ->
 def outvoted(observations: Sequence[Observation], keys: Sequence[str], rtol: float) -> Optional[Observation]:
     """Of three replies at one step, the one that disagrees with two that agree; None if there is no such
     majority (other steps, fewer replies, three different replies, or all three agreeing)."""
-    if len(observations) != 3 or len({o.step for o in observations}) != 1 or observations[0].step is None:
+    if len(observations) != 3 or observations[0].step is None or not _same_parameters(observations):
         return None
     for index, suspect in enumerate(observations):
         a, b = (o for i, o in enumerate(observations) if i != index)
