@@ -32,6 +32,7 @@ from swarm.identity import peer_id_of
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
+    "excluded_by",
     "PeerRecord",
     "TrainerRecord",
     "AccusationRecord",
@@ -337,6 +338,12 @@ def run_schema_validator(run_id: str, num_stages: int) -> SchemaValidator:
 
 
 # ---- snapshots for the policies ----
+
+
+def excluded_by(records: Dict[str, PeerRecord], stage: int) -> Dict[str, List[str]]:
+    """Each online replica of ``stage`` -> the stage-mates it announces as banned from averaging (the input of
+    :func:`swarm.policy.aggregation.banned_by_majority`)."""
+    return {r.peer_id: r.excluded_peers for r in records.values() if r.stage == stage and r.state == "online"}
 
 
 def to_peer_infos(records: Dict[str, PeerRecord], num_stages: int) -> Tuple[PeerInfo, ...]:

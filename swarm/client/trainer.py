@@ -39,7 +39,9 @@ from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.policy.verification import VerificationPolicy
-from swarm.records import AccusationRecord, PeerRecord, TrainerRecord, accusations_key, to_peer_infos, trainers_key
+from swarm.records import (
+    AccusationRecord, PeerRecord, TrainerRecord, accusations_key, excluded_by, to_peer_infos, trainers_key,
+)
 from swarm.rpc import RemoteError, call_peer
 
 __all__ = ["Trainer", "TrainerMetrics", "load_trainer_corpus"]
@@ -159,8 +161,7 @@ class Trainer:
             return records
         shunned: Set[str] = set()
         for stage in range(self.run.num_stages):
-            shunned |= banned_by_majority({r.peer_id: r.excluded_peers for r in records.values()
-                                           if r.stage == stage and r.state == "online"})
+            shunned |= banned_by_majority(excluded_by(records, stage))
         for peer_id in sorted(shunned - self._shunned):
             logger.warning(f"not routing to peer {peer_id}: most of its stage-mates banned it from averaging")
         self._shunned = shunned

@@ -20,7 +20,7 @@ from swarm.policy.steps import (
     ReplicaClaim, StageView, must_wait, near_target, needs_resync, overclaimers, step_alone, step_is_due,
     trusted_others,
 )
-from swarm.records import MAX_EXCLUDED, PeerRecord, update_contributed
+from swarm.records import MAX_EXCLUDED, PeerRecord, excluded_by, update_contributed
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
@@ -80,9 +80,8 @@ class StepCoordinator:
         if not self.peer.run.defences:
             return
         peer = self.peer
-        excluded_by = {r.peer_id: r.excluded_peers for r in records.values() if r.stage == peer.stage and r.state == "online"}
-        excluded_by[peer.peer_id] = self.excluded()
-        for peer_id in sorted(banned_by_majority(excluded_by) - set(self._banned) - {peer.peer_id}):
+        votes = {**excluded_by(records, peer.stage), peer.peer_id: self.excluded()}
+        for peer_id in sorted(banned_by_majority(votes) - set(self._banned) - {peer.peer_id}):
             logger.warning(f"stage {peer.stage}: excluding {peer_id} from averaging: most of the stage banned it")
             self._banned[peer_id] = time.monotonic()
             self.distrust([peer_id], "banned from averaging by most of the stage")
