@@ -11,12 +11,14 @@ swarm per run, runs one after another:
     the attacker (``swarm peer --fault NAME``); the other stage ``--other_replicas`` (1). Attacks on
     stage 0: stage 0 x4, stage 1 x1. Attacks on stage 1 (``wrong_loss``, ``non_numeric_loss``): stage 1
     x4, stage 0 x1. Trainer attacks use the stage-0 shape with no faulty replica;
-  * 2 trainers for ``--duration_s``; trainer0 is always honest, trainer1 is the attacker for trainer
-    attacks (``swarm train --attack NAME``);
+  * 2 trainers, each sending ``--samples_per_trainer`` samples (so every run compares the model after
+    the same data; ``--duration_s`` bounds the time, and is the only limit with ``--samples_per_trainer 0``);
+    trainer0 is always honest, trainer1 is the attacker for trainer attacks (``swarm train --attack NAME``);
   * ``poisoned_state``: the attacked stage starts with 2 honest replicas and the attacker; the 4th
-    (honest) replica starts at 1/3 of the duration and must download the stage's state; the attacker
+    (honest) replica starts once the stage has applied 1/3 of the run's global steps (1/3 of
+    ``--duration_s`` without a sample limit) and must download the stage's state; the attacker
     serves it poisoned state, which the joiner must refuse with the defences on;
-  * per attack: a run with the defences on and one with ``--defences false`` (same seed and duration),
+  * per attack: a run with the defences on and one with ``--defences false`` (same seed and samples),
     and clean runs (the attacker's slot taken by an honest role), defences on and off, once per swarm
     shape and reused by every attack of that shape.
 
@@ -28,7 +30,8 @@ Measured, per run:
                    from their exported parameters on fixed windows of the validation split: the largest over the
                    honest replicas of the attacked stage (the other stage: its first honest replica). Attacks on
                    replies cannot lie to it. ``heldout_loss_initial`` is the same for the run's initialisation.
-  throughput       trainer0's samples sent per second of training (the same honest trainer in every run).
+  throughput       trainer0's samples sent per second of its training time (``train_s`` of its done event: from
+                   its first micro-batch to its last, without the drain; the same honest trainer in every run).
   samples_lost     samples the trainers sent minus the samples the stages account for once the swarm settled:
                    MIN over stages of (largest samples_applied + samples pending + frozen) over the stage's honest
                    online replicas (the attacker's share is not counted). For trainer attacks it includes the
@@ -49,7 +52,7 @@ or no better than the initialisation's, or its trainer loss is not finite).
 Output: progress lines, a table, a summary line (clean throughput, defences on vs off), then one JSON list.
 Every process's log is kept in ``--log_dir`` (a fresh temporary directory by default).
 
-Usage: python benchmarks/attacks.py [--duration_s 60] [--attacks a,b] [--skip_undefended] [--log_dir DIR]
+Usage: python benchmarks/attacks.py [--samples_per_trainer 3072] [--attacks a,b] [--skip_undefended] [--log_dir DIR]
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from _attacks_roles import (ATTACKS, Attack, AttackSwarm, finite_or_none, first_
 from peers.launcher import RoleProcess  # noqa: E402
 
 NUM_STAGES = 2
+NUM_TRAINERS = 2
 MAX_DATA_MB = 2.0  # corpus the trainers read (MiB); the held-out windows come from its validation split
 LOSS_TAIL = 0.25  # the final loss is the mean over this last fraction of the training time
 READY_TIMEOUT_S = 180.0  # seconds a role may take to start: minutes when the 2 cores are shared
@@ -83,13 +87,15 @@ STOP_TIMEOUT_S = 10.0
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration_s", type=float, default=60.0, help="seconds each trainer trains, per run")
+    p.add_argument("--samples_per_trainer", type=int, default=3072,
+                   help="samples each trainer sends per run (0: train for --duration_s)")
+    p.add_argument("--duration_s", type=float, default=240.0, help="seconds each trainer trains at most, per run")
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, from: {', '.join(ATTACKS)}")
     p.add_argument("--seed", type=int, default=0, help="the run's --seed (initialisation); trainers draw with seed+1, seed+2")
     p.add_argument("--skip_undefended", action="store_true", help="no --defences false runs (quicker; no harm figures)")
     p.add_argument("--attacked_replicas", type=int, default=4, help="replicas of the attacked stage, the attacker included")
     p.add_argument("--other_replicas", type=int, default=1, help="replicas of the other stage")
-    p.add_argument("--target_batch_size", type=int, default=64, help="samples per global step")
+    p.add_argument("--target_batch_size", type=int, default=256, help="samples per global step")
     p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
     p.add_argument("--max_in_flight", type=int, default=4, help="micro-batches in flight per trainer")
     p.add_argument("--lr", type=float, default=0.003, help="learning rate (as tests/test_convergence.py)")
@@ -99,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [a for a in args.attacks.split(",") if a not in ATTACKS]
     if unknown:
         p.error(f"unknown attacks {unknown}; known: {list(ATTACKS)}")
+    if args.samples_per_trainer < 0:
+        p.error("--samples_per_trainer must be 0 (no limit) or positive")
     if args.attacked_replicas < 3:
         p.error("--attacked_replicas must be at least 3 (an attacker and two honest replicas)")
     return args
@@ -186,9 +194,18 @@ async def start_trainers(run: Run, args) -> None:
     run.train_start = min(t.ready_at for t in run.trainers)
 
 
-async def late_join(run: Run, delay_s: float) -> None:
-    """The honest replica that joins the attacked stage mid-run and downloads its state."""
-    await asyncio.sleep(delay_s)
+async def late_join(run: Run, args) -> None:
+    """The honest replica that joins the attacked stage mid-run and downloads its state: once the stage
+    applied a third of the run's global steps, or after a third of ``--duration_s`` without a sample limit."""
+    if args.samples_per_trainer:
+        steps = NUM_TRAINERS * args.samples_per_trainer // args.target_batch_size
+        try:
+            await run.swarm.wait_for(lambda r: max((x.step for x in r.values() if x.stage == run.spec.stage), default=0)
+                                     >= steps // 3, args.duration_s / 3, f"stage {run.spec.stage} at step {steps // 3}")
+        except TimeoutError:
+            pass  # a slow run: join anyway, after a third of the time limit
+    else:
+        await asyncio.sleep(args.duration_s / 3)
     run.joiner_started_at = time.time()
     run.joiner = Role(run.swarm.peer(run.spec.stage, "joiner"))
     log(f"  [{run.spec.label}] an honest replica joins stage {run.spec.stage}")
@@ -268,13 +285,13 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     spec, swarm = run.spec, run.swarm
     tasks = [asyncio.create_task(report_progress(run))]
     if spec.attack is not None and spec.attack.late_joiner:
-        tasks.append(asyncio.create_task(late_join(run, args.duration_s / 3)))
+        tasks.append(asyncio.create_task(late_join(run, args)))
     try:
         done = [await swarm.event(t.process, "trainer_done", args.duration_s + 120.0) for t in run.trainers]
     finally:
         for task in tasks:
             task.cancel()
-    sent = [d["samples_sent"] for d in done]
+    sent, train_s = [d["samples_sent"] for d in done], done[0]["train_s"]
     log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
         f"drained {[d['drained'] for d in done]}")
     accounted = await settle(run, sum(sent), args.settle_timeout_s)
@@ -283,7 +300,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     run.errors += errors
     honest_trainer = run.trainers[0]
     loss = tail_mean(trainer_losses(honest_trainer.process.log_path), honest_trainer.ready_at,
-                     honest_trainer.ready_at + args.duration_s, LOSS_TAIL)
+                     honest_trainer.ready_at + train_s, LOSS_TAIL)
     heldout = None if not losses else (max(losses.values()) if all(map(math.isfinite, losses.values())) else math.nan)
     honest = {p for ids in run.honest_peers().values() for p in ids}
     records = await swarm.probe.records()
@@ -291,7 +308,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "label": spec.label, "defences": spec.defences,
         "loss": loss, "heldout_loss": heldout,
         "heldout_losses": {p[-6:]: finite_or_none(v) for p, v in losses.items()},
-        "throughput_samples_per_s": round(sent[0] / args.duration_s, 2),
+        "throughput_samples_per_s": round(sent[0] / train_s, 2) if train_s > 0 else None, "train_s": train_s,
         "samples_sent": sum(sent),
         "samples_sent_by_attacker": sent[1] if spec.attack is not None and spec.attack.by_trainer else 0,
         "samples_accounted_by_stage": list(accounted), "samples_lost": sum(sent) - min(accounted),
@@ -314,7 +331,8 @@ async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any
         peer_args=FAST_PEER,
         trainer_args=["--max_data_mb", str(MAX_DATA_MB), "--refresh_period_s", "0.5", "--log_period_s", "1",
                       "--batch_size", str(args.batch_size), "--max_in_flight", str(args.max_in_flight),
-                      "--duration_s", str(args.duration_s)],
+                      "--duration_s", str(args.duration_s),
+                      *(["--max_samples", str(args.samples_per_trainer)] if args.samples_per_trainer else [])],
         num_stages=NUM_STAGES)
     run = Run(spec, swarm)
     started = time.monotonic()
@@ -323,8 +341,9 @@ async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any
         await asyncio.to_thread(swarm.bootstrap, 60.0)
         await start_peers(run, args)
         await start_trainers(run, args)
+        limit = f"{args.samples_per_trainer} samples each" if args.samples_per_trainer else f"{args.duration_s:.0f}s"
         log(f"[{spec.label}] {len(run.trainers)} trainers ready after {time.monotonic() - started:.0f}s; "
-            f"training for {args.duration_s:.0f}s")
+            f"training for {limit}")
         result = await train_and_measure(run, args, batches)
     except (TimeoutError, asyncio.TimeoutError, RuntimeError, OSError) as e:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -441,7 +460,9 @@ async def main(args) -> List[Dict[str, Any]]:
     batches = heldout_batches(model, MAX_DATA_MB)
     initial = initial_loss(model, NUM_STAGES, args.seed, batches)
     modes = (True,) if args.skip_undefended else (True, False)
-    log(f"{len(attacks)} attacks, defences {'on' if args.skip_undefended else 'on and off'}, {args.duration_s:.0f}s "
+    limit = (f"{args.samples_per_trainer} samples per trainer (at most {args.duration_s:.0f}s)" if args.samples_per_trainer
+             else f"{args.duration_s:.0f}s")
+    log(f"{len(attacks)} attacks, defences {'on' if args.skip_undefended else 'on and off'}, {limit} "
         f"each; held-out loss of the initialisation {initial:.4f}; logs in {log_dir}")
     clean: Dict[Tuple[int, bool], Dict[str, Any]] = {}
     for stage in sorted({a.stage for a in attacks}):

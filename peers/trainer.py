@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from typing import Optional, Sequence
 
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
@@ -38,15 +39,18 @@ async def train(config: TrainerConfig) -> int:
     try:
         await trainer.start()
         emit("trainer_ready", trainer_id=trainer.trainer_id)
+        started = time.monotonic()
         training = asyncio.create_task(trainer.train(on_progress=report))
         stopping = asyncio.create_task(stop.wait())
         await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        train_s = time.monotonic() - started  # the time spent training, without the drain below
         if not training.done():
             training.cancel()
         drained = await trainer.drain(timeout_s=30.0)
         m = trainer.metrics
         emit("trainer_done", trainer_id=trainer.trainer_id, samples_sent=m.samples_sent, loss=m.recent_loss(),
-             failed=m.micro_batches_failed, resent=trainer.ledger.num_resent, drained=drained)
+             failed=m.micro_batches_failed, resent=trainer.ledger.num_resent, drained=drained,
+             train_s=round(train_s, 3))
         return 0
     finally:
         trainer.shutdown()
