@@ -26,13 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 class RoleProcess:
     """One ``swarm <role>`` subprocess with its stdout events and a log file for stderr."""
 
-    def __init__(self, role: str, args: Sequence[str], log_dir: Path, name: str):
+    def __init__(self, role: str, args: Sequence[str], log_dir: Path, name: str, prefix: Sequence[str] = ()):
+        """``prefix``: a command the role runs under, e.g. ``ip netns exec NAME`` (it must exec the role,
+        so that the pid is the role's own)."""
         self.role, self.name = role, name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "peers.cli", role, *args], cwd=REPO, stdout=subprocess.PIPE,
+            [*prefix, sys.executable, "-m", "peers.cli", role, *args], cwd=REPO, stdout=subprocess.PIPE,
             stderr=self._log, stdin=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
         self.pid = self.proc.pid
         self.events: "queue.Queue[Dict[str, Any]]" = queue.Queue()

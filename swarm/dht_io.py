@@ -18,6 +18,7 @@ from hivemind.utils import get_dht_time, get_logger
 from pydantic import BaseModel
 
 from swarm.dht import get_many_in_dht, identity_of
+from swarm.reach import address_book
 from swarm.records import PeerRecord, parse_entries, record_id_of, stage_key
 
 __all__ = ["fetch_records", "fetch_stage_records", "store_record"]
@@ -78,6 +79,7 @@ async def fetch_stage_records(dht: DHT, run_id: str, num_stages: int, timeout: f
                 _warn_once(key, f"record of {peer_id} names stage {record.stage}, stored under stage {stage}")
             elif peer_id not in merged or expiration > merged[peer_id][1]:  # a peer that just moved: its newest
                 merged[peer_id] = (record, expiration)
+    address_book.learn({peer_id: record.addresses for peer_id, (record, _) in merged.items()})
     return {peer_id: record for peer_id, (record, _) in merged.items()}
 
 

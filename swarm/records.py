@@ -29,6 +29,7 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
 from swarm.identity import peer_id_of
+from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
@@ -121,10 +122,16 @@ class PeerRecord(_Record):
     # stage-mates this replica banned from averaging (for lying), comma-separated, most recent first: trainers
     # stop sending work to a replica that most of its stage-mates banned
     excluded: str = Field(default="", max_length=MAX_EXCLUDED * (MAX_ID_LENGTH + 1))
+    # where to reach this peer: its visible multiaddrs, comma-separated (callers connect p2pd to them, see swarm.reach)
+    maddrs: str = Field(default="", max_length=MAX_MADDRS * (MAX_MADDR_CHARS + 1))
 
     @property
     def excluded_peers(self) -> List[str]:
         return [p for p in self.excluded.split(",") if p][:MAX_EXCLUDED]
+
+    @property
+    def addresses(self) -> List[str]:
+        return [m for m in self.maddrs.split(",") if m][:MAX_MADDRS]
 
     def contributed_to(self, step: int) -> Optional[bool]:
         """Whether this replica's gradients were included in global step ``step`` (0-based, as

@@ -33,6 +33,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
+from swarm.reach import dialer_for, is_routing_failure
 from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode_parts, encode, payload_size_hint
 
 __all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE"]
@@ -311,6 +312,7 @@ async def call_peer(
     timeout, and connection errors as they come from p2pd.
     """
     stub = RPCServicer.get_stub(p2p, peer_id, namespace=NAMESPACE)
+    dialer = dialer_for(p2p)
 
     async def _reply(parts: List[bytes]) -> Dict[str, Any]:
         try:
@@ -319,7 +321,17 @@ async def call_peer(
             raise RemoteError(f"peer {peer_id} sent an undecodable reply to {method}: {e}", "bad_reply") from None
 
     async def _call() -> Dict[str, Any]:
+        await dialer.ensure(str(peer_id))
         payload = await _encode(message)
+        try:
+            return await _send(payload)
+        except Exception as e:
+            # p2pd did not know where the peer is: dial its announced addresses and try once more
+            if isinstance(e, RemoteError) or not is_routing_failure(e) or not await dialer.ensure(str(peer_id), force=True):
+                raise
+        return await _send(payload)
+
+    async def _send(payload: bytes) -> Dict[str, Any]:
         if stream or len(payload) > STREAM_THRESHOLD_BYTES:
             reply = await _reply(await _call_stream(stub, method, payload, max_reply_bytes))
         else:

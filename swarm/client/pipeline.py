@@ -31,6 +31,7 @@ from swarm.client.ledger import Contribution, Ledger
 from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
+from swarm.reach import is_routing_failure
 from swarm.rpc import RemoteError, call_peer
 
 if TYPE_CHECKING:
@@ -146,6 +147,8 @@ def judge_failure(error: BaseException) -> FailureVerdict:
         return FailureVerdict("ban", reason, stale_snapshot=error.kind == "wrong_stage")
     if isinstance(error, asyncio.TimeoutError):
         return FailureVerdict("ban", "timed out")
+    if is_routing_failure(error):  # this host could not find or dial it: no evidence against the peer
+        return FailureVerdict("pause", f"unreachable from here ({type(error).__name__}: {error})")
     return FailureVerdict("ban", f"{type(error).__name__}: {error}")
 
 

@@ -38,7 +38,7 @@ class Announcer:
             samples_applied=runner.samples_applied if runner else 0,
             digest=runner.digest if runner else "", samples_processed=runner.samples_processed if runner else 0,
             contributed_base=base, contributed_bits=bits, run_hash=peer.run_hash,
-            excluded=",".join(steps.excluded()) if steps is not None else "",
+            excluded=",".join(steps.excluded()) if steps is not None else "", maddrs=",".join(peer.maddrs),
         )
 
     async def announce(self) -> None:

@@ -26,6 +26,7 @@ from swarm.config import PeerConfig
 from swarm.auth import Allowlist
 from swarm.dht import identity_of, start_run_dht
 from swarm.dht_io import fetch_stage_records
+from swarm.reach import Dialer, announceable, dialer_for, listens_on_any
 from swarm.records import PeerRecord
 from swarm.rpc import NAMESPACE, RPCServicer
 from swarm.server.announcer import Announcer
@@ -58,6 +59,8 @@ class StagePeer:
         self.averager: Optional[StageAverager] = None
         self.batcher: Optional[ForwardBatcher] = None
         self.steps: Optional[StepCoordinator] = None
+        self.dialer: Optional[Dialer] = None  # connects p2pd to stage-mates at the addresses they announce
+        self.maddrs: List[str] = []  # the addresses this peer announces
         self.coordinator_task: Optional[asyncio.Task] = None
         self.queued = 0  # requests waiting for the compute thread
         self.in_flight = 0  # forward/backward requests being served
@@ -81,6 +84,9 @@ class StagePeer:
         if self.dht is None:
             self.dht = start_run_dht(self.config.network, self.run)
         p2p = await self.dht.replicate_p2p()
+        self.dialer = dialer_for(p2p)
+        self.maddrs = announceable([str(m) for m in self.dht.get_visible_maddrs(latest=True)],
+                                   listens_on_any(self.config.network.host_maddrs + self.config.network.announce_maddrs))
         records = await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages)
         await check_run_agreement(p2p, records, self.run)
         await self._serve_stage(await self.joining.choose_stage())
@@ -179,8 +185,15 @@ class StagePeer:
             self.queued -= 1
 
     async def fetch_records(self) -> Dict[str, PeerRecord]:
-        """The run's peer records, every stage; records of peers with other run settings are left out."""
-        return self._same_run(await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages))
+        """The run's peer records, every stage; records of peers with other run settings are left out.
+
+        Connects p2pd to the stage-mates it is not connected to yet, at the addresses they announce:
+        averaging and state downloads reach them by peer id alone."""
+        records = self._same_run(await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages))
+        if self.dialer is not None:
+            await self.dialer.ensure_all(r.peer_id for r in records.values()
+                                         if r.stage == self.stage and r.peer_id != self.peer_id)
+        return records
 
     def notify_progress(self) -> None:
         for event in self._progress.values():

@@ -22,9 +22,10 @@ class Probe:
     records and calls peers; it can also announce records of its own, as a lying peer would."""
 
     def __init__(self, initial_peers: Sequence[str], run_id: str, num_stages: int = 2, identity: Optional[Identity] = None,
-                 allowlist: Sequence[str] = ()):
+                 allowlist: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
         self.run_id, self.num_stages = run_id, num_stages
-        self.dht = start_dht(NetworkConfig(initial_peers=list(initial_peers)), run_id=run_id, num_stages=num_stages,
+        network = NetworkConfig(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs))
+        self.dht = start_dht(network, run_id=run_id, num_stages=num_stages,
                              identity=identity, authorizer=None if identity is None else authorizer_for(allowlist, identity))
         self._p2p = None
 

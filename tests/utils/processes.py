@@ -24,9 +24,9 @@ class Launcher:
         self.initial_peers: List[str] = []
         self._count = 0
 
-    def start(self, role: str, args: Sequence[str], name: Optional[str] = None) -> RoleProcess:
+    def start(self, role: str, args: Sequence[str], name: Optional[str] = None, prefix: Sequence[str] = ()) -> RoleProcess:
         self._count += 1
-        process = RoleProcess(role, args, self.log_dir, name or f"{role}{self._count}")
+        process = RoleProcess(role, args, self.log_dir, name or f"{role}{self._count}", prefix=prefix)
         self.processes.append(process)
         return process
 
