@@ -5,6 +5,10 @@ torch: a malformed or hostile message becomes a :class:`WireError` with a readab
 never a crash, an integer overflow or an oversized allocation. Sizes are checked with Python
 integers (which cannot overflow) and capped before they are multiplied, so no shape can make
 the byte count wrap around and slip past the length check.
+
+Float tensors may travel compressed (float16, or int8 with a scale per block; see
+:mod:`swarm.compression`) under their own tag, and always decode to float32. The receiver
+checks every field of such an entry before it decodes a byte of it.
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ from typing import Any, Dict, Mapping, Sequence
 import msgpack
 import torch
 
-__all__ = ["WireError", "MAX_MESSAGE_BYTES", "encode", "decode", "decode_parts", "pack_tensor", "unpack_tensor",
-           "payload_size_hint"]
+from swarm.compression import (DEFAULT_BLOCK_SIZE, FLOAT_DTYPES, Compressed, CompressionError, check_block_size,
+                               check_codec, compress, decompress)
+
+__all__ = ["WireError", "MAX_MESSAGE_BYTES", "MIN_COMPRESSED_ELEMENTS", "encode", "decode", "decode_parts",
+           "pack_tensor", "unpack_tensor", "pack_compressed", "unpack_compressed", "payload_size_hint"]
 
 MAX_MESSAGE_BYTES = 256 * 2**20  # hard cap on one message (bytes); a stage config may lower it
 MAX_TENSOR_DIMS = 8
@@ -32,7 +39,9 @@ _DTYPES: Dict[str, torch.dtype] = {
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _ELEMENT_BYTES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in _DTYPES.items()}
+MIN_COMPRESSED_ELEMENTS = 64  # smaller tensors go uncompressed: the scales and the tag would outweigh the saving
 _TENSOR_TAG = "__tensor__"
+_COMPRESSED_TAG = "__qtensor__"
 _PLAIN = (type(None), bool, int, float, str, bytes)
 _brief = reprlib.Repr()
 _brief.maxlist = _brief.maxtuple = _brief.maxdict = 10
@@ -94,13 +103,38 @@ def unpack_tensor(obj: Any) -> torch.Tensor:
     return flat.view(dtype).reshape(shape) if dtype == torch.bfloat16 else flat.reshape(shape)
 
 
-def _to_wire(obj: Any) -> Any:
+def pack_compressed(c: Compressed) -> Dict[str, Any]:
+    """The wire form of a compressed tensor: the bytes it already holds, so several peers may share one compression."""
+    return {_COMPRESSED_TAG: True, "codec": c.codec, "shape": list(c.shape), "block_size": c.block_size,
+            "data": c.data, "scales": c.scales}
+
+
+def unpack_compressed(obj: Any) -> torch.Tensor:
+    """A writable float32 tensor from a compressed entry, after checking every field a sender could lie about."""
+    if not isinstance(obj, Mapping) or obj.get(_COMPRESSED_TAG) is not True:
+        raise WireError(f"expected a compressed tensor, got {type(obj).__name__}")
+    shape = obj.get("shape")
+    _num_elements(shape)
+    fields = (obj.get("codec"), shape, obj.get("block_size"), obj.get("data"), obj.get("scales"))
+    try:
+        return decompress(Compressed(*fields))
+    except CompressionError as e:
+        raise WireError(f"compressed tensor: {e}") from None
+
+
+def _compresses(tensor: torch.Tensor, codec: str) -> bool:
+    return codec != "none" and tensor.dtype in FLOAT_DTYPES and tensor.numel() >= MIN_COMPRESSED_ELEMENTS
+
+
+def _to_wire(obj: Any, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Any:
     if isinstance(obj, torch.Tensor):
-        return pack_tensor(obj)
+        return pack_compressed(compress(obj, codec, block_size)) if _compresses(obj, codec) else pack_tensor(obj)
+    if isinstance(obj, Compressed):
+        return pack_compressed(obj)
     if isinstance(obj, Mapping):
-        return {key: _to_wire(value) for key, value in obj.items()}
+        return {key: _to_wire(value, codec, block_size) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_to_wire(value) for value in obj]
+        return [_to_wire(value, codec, block_size) for value in obj]
     return obj
 
 
@@ -110,6 +144,8 @@ def _from_wire(obj: Any, depth: int = 0) -> Any:
     if isinstance(obj, dict):
         if _TENSOR_TAG in obj:
             return unpack_tensor(obj)
+        if _COMPRESSED_TAG in obj:
+            return unpack_compressed(obj)
         return {key: _from_wire(value, depth + 1) for key, value in obj.items()}
     if isinstance(obj, list):
         return [_from_wire(value, depth + 1) for value in obj]
@@ -118,9 +154,18 @@ def _from_wire(obj: Any, depth: int = 0) -> Any:
     return obj
 
 
-def encode(message: Mapping[str, Any]) -> bytes:
-    """Serialize a map of plain values and tensors."""
-    return msgpack.packb(_to_wire(message), use_bin_type=True)
+def encode(message: Mapping[str, Any], compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
+    """Serialize a map of plain values, tensors and :class:`~swarm.compression.Compressed` tensors.
+
+    With ``compression`` ``"fp16"`` or ``"int8"``, float tensors of at least
+    :data:`MIN_COMPRESSED_ELEMENTS` elements are sent compressed (the receiver gets float32);
+    integer tensors such as token ids and targets, and small tensors, are sent exactly. Raises
+    :class:`~swarm.compression.CompressionError` for a tensor that cannot be compressed
+    faithfully (NaN, inf, float16 overflow).
+    """
+    check_codec(compression)
+    check_block_size(block_size)
+    return msgpack.packb(_to_wire(message, compression, block_size), use_bin_type=True)
 
 
 def decode(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Dict[str, Any]:
@@ -150,6 +195,8 @@ def payload_size_hint(obj: Any, _depth: int = 0) -> int:
     """Bytes of tensor data in a message about to be encoded: decides whether encoding is worth a thread."""
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
+    if isinstance(obj, Compressed):
+        return obj.nbytes
     if _depth > MAX_NESTING:
         return 0
     if isinstance(obj, Mapping):

@@ -7,6 +7,7 @@ through a stand-in for hivemind's P2P that hands requests straight to an in-proc
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 from types import SimpleNamespace
@@ -16,8 +17,10 @@ import msgpack
 import pytest
 import torch
 
+from swarm.compression import CompressionError, compress, decompress
 from swarm.rpc import KINDS, RemoteError, RPCServicer, call_peer
-from swarm.wire import MAX_TENSOR_DIMS, WireError, decode, encode, pack_tensor, unpack_tensor
+from swarm.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, decode_parts, encode,
+                        pack_compressed, pack_tensor, payload_size_hint, unpack_compressed, unpack_tensor)
 from tests.utils.fuzzing import mutate, random_bytes, tensor_lies
 
 
@@ -155,6 +158,132 @@ def test_every_generated_tensor_lie_is_refused():
     for name, obj in tensor_lies(random.Random(0)):
         with pytest.raises(WireError):
             unpack_tensor(obj)
+
+
+# ---- compressed tensors ----
+
+def golden_message() -> Dict[str, Any]:
+    """Exactly representable values, so that the encoding does not depend on how torch computes them."""
+    return {"stage": 1, "inputs": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+            "hidden": (torch.arange(80, dtype=torch.float32) / 16 - 2.5).reshape(2, 40),
+            "half": (torch.arange(70) / 8).to(torch.bfloat16), "meta": [None, 2.5, "m", b"b"]}
+
+
+def test_uncompressed_encoding_is_unchanged():
+    payload = encode(golden_message())
+    assert payload == encode(golden_message(), "none") == encode(golden_message(), "none", 1024)
+    assert len(payload) == 684  # the encoding before compression existed, pinned by its digest
+    assert hashlib.sha256(payload).hexdigest() == "224cf706b84c1ef9c800734daee04c1d3030c22f891cb611f7cd12b055d1f6f5"
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+def test_compressed_message_decodes_to_float32_of_the_right_shape(codec):
+    hidden = torch.randn(4, 8, 33, generator=torch.Generator().manual_seed(0))
+    message = {"hidden": hidden, "nested": [{"grad": hidden[0].to(torch.bfloat16)}], "small": torch.randn(3, 21)}
+    payload = encode(message, codec, 64)
+    assert b"__qtensor__" in payload
+    out = decode_parts([payload[:100], payload[100:]])
+    assert out["hidden"].shape == hidden.shape and out["hidden"].dtype == torch.float32
+    assert torch.allclose(out["hidden"], hidden, atol=hidden.abs().max().item() / 100)
+    assert out["nested"][0]["grad"].dtype == torch.float32 and out["nested"][0]["grad"].shape == (8, 33)
+    assert out["small"].numel() < MIN_COMPRESSED_ELEMENTS and torch.equal(out["small"], message["small"])
+    out["hidden"].mul_(2)  # writable
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+def test_integer_tensors_in_a_compressed_message_are_untouched(codec):
+    message = {"inputs": torch.randint(0, 50_000, (16, 128)),
+               "targets": torch.randint(0, 9, (16, 128), dtype=torch.int32),
+               "mask": torch.ones(16, 128, dtype=torch.uint8), "hidden": torch.randn(16, 128)}
+    out = decode(encode(message, codec))
+    for key in ("inputs", "targets", "mask"):
+        assert out[key].dtype == message[key].dtype and torch.equal(out[key], message[key])
+
+
+def test_a_compressed_tensor_is_sent_as_is_to_every_peer():
+    c = compress(torch.randn(1000), "int8")
+    first, second = encode({"x": c, "to": "a"}), encode({"x": c, "to": "b"}, "fp16")
+    assert c.data in first and c.scales in first and c.data in second
+    assert torch.equal(decode(first)["x"], decompress(c)) and torch.equal(decode(second)["x"], decompress(c))
+    assert payload_size_hint({"x": c, "y": [torch.zeros(10)]}) == 1000 + 16 + 40
+
+
+def test_bad_compression_arguments_and_unfaithful_tensors_are_refused_on_encode():
+    with pytest.raises(CompressionError, match="codec"):
+        encode({}, "int4")
+    with pytest.raises(CompressionError, match="block size"):
+        encode({}, "int8", 32)
+    with pytest.raises(CompressionError, match="NaN or inf"):
+        encode({"x": torch.full((100,), float("nan"))}, "int8")
+    with pytest.raises(WireError, match="cannot be sent"):
+        encode({"x": torch.zeros(100, dtype=torch.float64)}, "int8")
+
+
+def qlie(**fields: Any) -> Dict[str, Any]:
+    """A valid int8 entry of 100 ones in blocks of 64, with ``fields`` replaced."""
+    entry = pack_compressed(compress(torch.ones(100), "int8", 64))
+    entry.update(fields)
+    return entry
+
+
+def fp16_bits(*bits: int) -> bytes:
+    return torch.tensor(list(bits) + [0] * (100 - len(bits)), dtype=torch.int16).numpy().tobytes()
+
+
+def scales(*values: float) -> bytes:
+    return torch.tensor(values, dtype=torch.float32).numpy().tobytes()
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"codec": "int4"}, "unknown codec"), ({"codec": "none"}, "unknown codec"), ({"codec": None}, "unknown codec"),
+    ({"codec": ["int8"]}, "unknown codec"), ({"block_size": 63}, "block size"), ({"block_size": 4097}, "block size"),
+    ({"block_size": 2**63}, "block size"), ({"block_size": -64}, "block size"), ({"block_size": "64"}, "block size"),
+    ({"block_size": 64.0}, "block size"), ({"block_size": True}, "block size"), ({"block_size": None}, "block size"),
+    ({"block_size": 128}, "need 4 bytes, got 8"), ({"data": b"\x01" * 99}, "needs 100 bytes, got 99"),
+    ({"data": b"\x01" * 101}, "needs 100 bytes"), ({"data": "x" * 100}, "must be bytes"),
+    ({"data": None}, "must be bytes"),
+    ({"scales": b"\0" * 4}, "need 8 bytes, got 4"), ({"scales": b"\0" * 9}, "need 8 bytes"),
+    ({"scales": [1.0, 1.0]}, "must be bytes"), ({"scales": scales(1.0, -1.0)}, "finite and non-negative"),
+    ({"scales": scales(float("nan"), 1.0)}, "finite and non-negative"),
+    ({"scales": scales(1.0, float("inf"))}, "finite and non-negative"),
+    ({"scales": scales(3e38, 3e38)}, "NaN or inf"), ({"data": b"\x80" + b"\x01" * 99}, "codes must lie"),
+    ({"codec": "fp16", "data": fp16_bits(0x7C00), "scales": b""}, "NaN or inf"),
+    ({"codec": "fp16", "data": fp16_bits(0, -1024), "scales": b""}, "NaN or inf"),  # 0xFC00: -inf
+    ({"codec": "fp16", "data": fp16_bits(0, 0, 0x7E00), "scales": b""}, "NaN or inf"),
+    ({"codec": "fp16", "data": fp16_bits(1), "scales": scales(1.0, 1.0)}, "need 0 bytes"),
+    ({"codec": "fp16"}, "needs 200 bytes"), ({"shape": [2**40, 2**40]}, "exceeds the limit"),
+    ({"shape": [2**32, 2**32]}, "exceeds the limit"), ({"shape": [-100]}, "non-negative"), ({"shape": "100"}, "shape"),
+    ({"shape": [1] * (MAX_TENSOR_DIMS + 1)}, "shape"), ({"shape": [10, 10.0]}, "non-negative"),
+    ({"shape": [101]}, "needs 101 bytes"), ({"__qtensor__": 1}, "expected a compressed tensor"),
+])
+def test_malformed_compressed_entries_are_refused(fields, reason):
+    with pytest.raises(WireError, match=reason):
+        unpack_compressed(qlie(**fields))
+    with pytest.raises(WireError, match=reason):
+        decode(msgpack.packb({"a": [qlie(**fields)]}, use_bin_type=True))
+
+
+def test_a_valid_compressed_entry_decodes():
+    assert torch.equal(unpack_compressed(qlie()), torch.ones(100))
+    fp16 = qlie(codec="fp16", data=torch.full((100,), 0.5, dtype=torch.float16).numpy().tobytes(), scales=b"")
+    assert torch.equal(unpack_compressed(fp16), torch.full((100,), 0.5))
+
+
+def test_mutated_compressed_payloads_decode_or_raise_wire_error():
+    rng = random.Random(99)
+    valid = [encode({"h": torch.randn(2, 70), "ids": torch.arange(5)}, "int8", 64),
+             encode({"h": torch.randn(3, 30)}, "fp16"), encode({"c": compress(torch.zeros(200), "int8", 64)})]
+    outcomes = {"decoded": 0, "refused": 0}
+    for _ in range(1500):
+        try:
+            out = decode(mutate(rng, rng.choice(valid)))
+            outcomes["decoded"] += 1
+            for value in out.values():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    assert bool(torch.isfinite(value).all())
+        except WireError:
+            outcomes["refused"] += 1
+    assert outcomes["decoded"] > 20 and outcomes["refused"] > 500, outcomes
 
 
 # ---- RPCServicer ----

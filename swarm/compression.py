@@ -1,0 +1,227 @@
+"""Lossy compression of float tensors for the wire: float16, or 8 bits per value with a scale per block.
+
+Volunteer links are slow: a home uplink moves a few megabytes a second, and the activations and
+gradients that cross between pipeline stages dominate a step's traffic. Sending them in float16
+halves the bytes; blockwise int8 cuts them almost four times.
+
+int8 splits the flattened tensor into blocks of ``block_size`` values (the last may be short)
+and stores one float32 scale per block, ``absmax / 127``, with each value rounded to the nearest
+multiple of its block's scale. A scale per block, rather than one per tensor, bounds each
+value's error by the largest value *of its own block*: an outlier coarsens its block only,
+and blocks of small values keep their precision (:func:`error_bound` gives the bound).
+
+Input that has no faithful encoding is refused with :class:`CompressionError`: NaN and inf
+(which would poison a whole block's scale, or the receiver), and for float16 values beyond
+its range (which would silently become inf).
+
+The receiver distrusts every field: the codec must be known, the block size within
+[:data:`MIN_BLOCK_SIZE`, :data:`MAX_BLOCK_SIZE`], the data exactly one byte (int8) or two
+(fp16) per element, the scales exactly one float32 per block, finite and non-negative, the
+codes within [-127, 127], and the decoded values finite. A decoded tensor is float32, so it
+takes four bytes of memory per byte of int8 received.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+__all__ = ["CODECS", "DEFAULT_BLOCK_SIZE", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE", "CompressionError", "Compressed",
+           "check_codec", "check_block_size", "compress", "decompress", "error_bound", "num_blocks"]
+
+CODECS = ("none", "fp16", "int8")
+DEFAULT_BLOCK_SIZE = 256
+MIN_BLOCK_SIZE = 64
+MAX_BLOCK_SIZE = 4096
+INT8_LEVELS = 127  # codes lie in [-127, 127], symmetric around zero so that 0 stays exact
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FP16_MAX = torch.finfo(torch.float16).max
+_MIN_SCALE = torch.finfo(torch.float32).tiny  # a normal float32: keeps x / scale and code * scale accurate
+_ROUNDING_SLACK = 2.0**-15  # float32 rounding in the division and the product, in units of the scale
+_FP16_RELATIVE_ERROR = 2.0**-11  # half a float16 ulp, relative to the rounded value
+_FP16_ABSOLUTE_ERROR = 2.0**-25  # half the smallest float16 subnormal
+
+
+class CompressionError(ValueError):
+    """A tensor that cannot be compressed faithfully, or a compressed tensor that is malformed."""
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A float tensor in compressed form, ready to send (to several peers alike, without compressing again).
+
+    ``data`` holds one int8 code per element (``int8``) or the float16 values (``fp16``);
+    ``scales`` holds one float32 per block for int8 and is empty for fp16, whose block size is
+    carried but unused. Construction checks that the fields agree with each other.
+    """
+
+    codec: str
+    shape: Tuple[int, ...]
+    block_size: int
+    data: bytes
+    scales: bytes
+
+    def __post_init__(self) -> None:
+        check_codec(self.codec, allow_none=False)
+        check_block_size(self.block_size)
+        object.__setattr__(self, "shape", _check_shape(self.shape))
+        _check_lengths(self)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of payload on the wire (data and scales)."""
+        return len(self.data) + len(self.scales)
+
+
+def check_codec(codec: object, allow_none: bool = True) -> str:
+    """``codec`` if it is one of :data:`CODECS` (``"none"`` only where ``allow_none``)."""
+    allowed = CODECS if allow_none else CODECS[1:]
+    if not isinstance(codec, str) or codec not in allowed:
+        raise CompressionError(f"unknown codec {codec!r:.60}; expected one of {list(allowed)}")
+    return codec
+
+
+def check_block_size(block_size: object) -> int:
+    """``block_size`` if it is an integer within [MIN_BLOCK_SIZE, MAX_BLOCK_SIZE]."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool):
+        raise CompressionError(f"block size must be an integer, got {type(block_size).__name__}")
+    if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+        raise CompressionError(f"block size {block_size} is outside [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]")
+    return block_size
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Blocks that ``numel`` values fill, the last one possibly short."""
+    return -(-numel // block_size)
+
+
+def _check_shape(shape: object) -> Tuple[int, ...]:
+    if not isinstance(shape, (tuple, list, torch.Size)):
+        raise CompressionError(f"shape must be a sequence of sizes, got {type(shape).__name__}")
+    if not all(isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape):
+        raise CompressionError("shape must hold non-negative integers")
+    return tuple(shape)
+
+
+def _check_lengths(c: Compressed) -> None:
+    if not isinstance(c.data, (bytes, bytearray)) or not isinstance(c.scales, (bytes, bytearray)):
+        raise CompressionError("compressed data and scales must be bytes")
+    data_bytes = c.numel * (1 if c.codec == "int8" else 2)
+    if len(c.data) != data_bytes:
+        raise CompressionError(f"{c.codec} data of shape {list(c.shape)} needs {data_bytes} bytes, got {len(c.data)}")
+    scale_bytes = 4 * num_blocks(c.numel, c.block_size) if c.codec == "int8" else 0
+    if len(c.scales) != scale_bytes:
+        raise CompressionError(f"{c.codec} scales of {c.numel} elements in blocks of {c.block_size} need "
+                               f"{scale_bytes} bytes, got {len(c.scales)}")
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().numpy().tobytes()
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor that owns a copy of ``data`` (msgpack's bytes are read-only)."""
+    return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def _flat_float32(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in FLOAT_DTYPES:
+        kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise CompressionError(f"only float32, float16 and bfloat16 tensors can be compressed, got {kind}")
+    flat = tensor.detach().cpu().reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(flat).all()):
+        raise CompressionError("tensor holds NaN or inf, which cannot be compressed")
+    return flat
+
+
+def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``flat`` padded with zeros to whole blocks, as (blocks, block_size)."""
+    padding = num_blocks(flat.numel(), block_size) * block_size - flat.numel()
+    return torch.cat([flat, flat.new_zeros(padding)]).view(-1, block_size)
+
+
+def _quantize_int8(flat: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8, same length as ``flat``) and one scale per block (float32)."""
+    blocks = _blocks(flat, block_size)
+    absmax = blocks.abs().amax(dim=1)
+    nonzero = absmax > 0
+    scales = torch.where(nonzero, (absmax / INT8_LEVELS).clamp_min(_MIN_SCALE), torch.zeros_like(absmax))
+    if not bool(torch.isfinite(scales * INT8_LEVELS).all()):
+        raise CompressionError("values this close to float32's largest cannot be quantized to int8")
+    divisors = torch.where(nonzero, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / divisors[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return codes.view(-1)[: flat.numel()], scales
+
+
+def _dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Codes times their block's scale, in one float32 buffer (the receiver's peak memory is 4 bytes a code)."""
+    values = torch.zeros(scales.numel() * block_size, dtype=torch.float32)
+    values[: codes.numel()] = codes
+    values.view(-1, block_size).mul_(scales[:, None])
+    return values[: codes.numel()]
+
+
+def _compress_fp16(flat: torch.Tensor) -> bytes:
+    if flat.numel() and float(flat.abs().max()) > _FP16_MAX:
+        raise CompressionError(f"tensor holds values beyond float16's range (±{_FP16_MAX:g}); use int8 or none")
+    return _to_bytes(flat.to(torch.float16))
+
+
+def compress(tensor: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Compressed:
+    """``tensor`` (float32, float16 or bfloat16) in ``codec`` ``"fp16"`` or ``"int8"``; same input, same bytes.
+
+    ``"none"`` is not accepted: uncompressed tensors are sent as themselves.
+    """
+    check_codec(codec, allow_none=False)
+    check_block_size(block_size)
+    flat = _flat_float32(tensor)
+    if codec == "fp16":
+        return Compressed(codec, tuple(tensor.shape), block_size, _compress_fp16(flat), b"")
+    codes, scales = _quantize_int8(flat, block_size)
+    return Compressed(codec, tuple(tensor.shape), block_size, _to_bytes(codes), _to_bytes(scales))
+
+
+def _decode_scales(c: Compressed) -> torch.Tensor:
+    scales = _from_bytes(c.scales, torch.float32)
+    if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
+        raise CompressionError("int8 scales must be finite and non-negative")
+    return scales
+
+
+def _decode_codes(c: Compressed) -> torch.Tensor:
+    codes = _from_bytes(c.data, torch.int8)
+    if bool((codes == -INT8_LEVELS - 1).any()):
+        raise CompressionError(f"int8 codes must lie in [-{INT8_LEVELS}, {INT8_LEVELS}]")
+    return codes
+
+
+def decompress(c: Compressed) -> torch.Tensor:
+    """A writable float32 tensor of ``c.shape``, refusing contents that decode to NaN or inf."""
+    if c.codec == "fp16":
+        values = _from_bytes(c.data, torch.float16).to(torch.float32)
+    else:
+        values = _dequantize_int8(_decode_codes(c), _decode_scales(c), c.block_size)
+    if not bool(torch.isfinite(values).all()):
+        raise CompressionError(f"{c.codec} data decodes to NaN or inf")
+    return values.view(c.shape)
+
+
+def error_bound(c: Compressed) -> torch.Tensor:
+    """The largest absolute error of each decoded element, as a float32 tensor of ``c.shape``.
+
+    int8: half a quantization step of the element's block, ``scale / 2 = absmax / 254``,
+    widened by ``2**-15 * scale`` for float32 rounding in the division and the product. A block
+    whose largest value is below ``127 * 2**-126`` uses the step ``2**-126`` instead.
+    fp16: half a float16 ulp of the value, at most ``2**-11 * |decoded| + 2**-25``.
+    """
+    if c.codec == "fp16":
+        return decompress(c).abs_().mul_(_FP16_RELATIVE_ERROR).add_(_FP16_ABSOLUTE_ERROR)
+    scales = _decode_scales(c) * (0.5 + _ROUNDING_SLACK)
+    return scales.repeat_interleave(c.block_size)[: c.numel].view(c.shape)
