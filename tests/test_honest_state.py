@@ -10,7 +10,7 @@ import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import pytest
 import torch
@@ -132,6 +132,10 @@ class FakeAverager:
 class FakeSteps:
     def __init__(self):
         self.distrusted: List[str] = []
+        self.banned: Set[str] = set()
+
+    def banned_now(self) -> Set[str]:
+        return set(self.banned)
 
     def distrust(self, peer_ids, why: str) -> None:
         self.distrusted += list(peer_ids)
@@ -201,6 +205,21 @@ async def test_joiner_refuses_the_poisoned_state_and_takes_the_next(caplog):
     assert peer.steps.distrusted == ["poisoner"]
     assert re.search(r"refusing the state downloaded from poisoner: its parameters hash to \w+, not to the announced",
                      caplog.text)
+
+
+async def test_a_banned_replica_neither_votes_nor_serves():
+    # the banned replica announces another state at a later step: were it counted, there would be no majority
+    records, served, source = lying_swarm()
+    other = trained_runner()
+    other.freeze()
+    other.apply([torch.randn_like(p) for p in other.params], total_samples=8)
+    records["banned"] = record("banned", other)
+    served["banned"] = (other.state_metadata(), other.state_tensors())
+    records.pop("poisoner")
+    peer = FakePeer(records, served)
+    peer.steps.banned = {"banned"}
+    assert await Joining(peer).download_state()
+    assert peer.averager.asked == ["honest"] and peer.runner.digest == source.digest
 
 
 async def test_without_defences_the_joiner_adopts_the_poisoned_state():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, clock_step, diverged, must_wait, near_target, needs_resync, others_pending,
+    ReplicaClaim, StageView, clock_step, diverged, majority_state, must_wait, near_target, needs_resync, others_pending,
     overclaimers, stage_is_full, step_alone, step_is_due, trusted_others,
 )
 
@@ -66,6 +66,25 @@ def test_divergence_gives_way_to_the_lower_peer_id():
     assert not diverged(view(averaging=True, others=(claim(peer_id="A", digest="other"),)))
     assert needs_resync(view(others=(claim(step=4, accum_step=4),)))
     assert not needs_resync(view(others=(claim(),)))
+
+
+def test_a_replica_outside_the_stage_majority_gives_way():
+    # it stepped alone on its own lineage: the majority is behind, but at a state this replica never had
+    alone = view(step=6, accum_step=6, digest="x6", history=((3, "d3"), (4, "x4"), (5, "x5"), (6, "x6")),
+                 others=(claim(peer_id="A", step=4, digest="d4"), claim(peer_id="C", step=4, digest="d4")))
+    assert majority_state(alone) == (4, "d4") and needs_resync(alone)
+    # the majority merely lags on this replica's own lineage: it will catch up
+    ahead = view(step=5, accum_step=5, digest="d5", history=((3, "d3"), (4, "d4"), (5, "d5")),
+                 others=(claim(peer_id="A", step=4, digest="d4"), claim(peer_id="C", step=4, digest="d4")))
+    assert not needs_resync(ahead)
+    # the majority itself does not resync towards the lone replica ahead of it
+    majority = view(step=4, accum_step=4, digest="d4", history=((4, "d4"),),
+                    others=(claim(peer_id="A", step=4, digest="d4"), claim(peer_id="Z", step=6, digest="x6")))
+    assert not needs_resync(majority)
+    # claims ignored for step closing still vote on the stage's state; banned replicas (left out of voters) do not
+    hidden = replace(alone, others=(), voters=alone.others)
+    assert needs_resync(hidden)
+    assert not needs_resync(replace(alone, voters=()))
 
 
 def test_a_lone_replica_steps_alone_after_failed_rounds():

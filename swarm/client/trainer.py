@@ -174,19 +174,23 @@ class Trainer:
         return self._same_run(records)
 
     def _settle(self, now: float) -> None:
-        """Commit what the records confirm; start re-sends and step_members questions (never awaited here)."""
-        for record in self.records.values():
+        """Commit what the records confirm; start re-sends and step_members questions (never awaited here).
+
+        A replica that most of its stage-mates banned counts as gone: its own steps do not reach the
+        stage's parameters, so only what the others say of its steps decides (usually: re-send)."""
+        records = {key: record for key, record in self.records.items() if record.peer_id not in self._shunned}
+        for record in records.values():
             if record.state == "online":
                 self._last_serving[(record.peer_id, record.stage)] = now
         holders = self.ledger.holders()
         for key in holders:
             self._last_serving.setdefault(key, now)  # a holder never seen online is timed from now
-        present = {(record.peer_id, record.stage) for record in self.records.values()}
+        present = {(record.peer_id, record.stage) for record in records.values()}
         self._last_serving = {key: seen for key, seen in self._last_serving.items() if key in holders or key in present}
         # answers expire: a step nobody knew may be known now, and a replica may have changed its mind
         self._members = {key: entry for key, entry in self._members.items()
                          if now - entry[0] < self.config.peer_grace_s}
-        resolution = self.ledger.resolve(self.records, {key: now - seen for key, seen in self._last_serving.items()},
+        resolution = self.ledger.resolve(records, {key: now - seen for key, seen in self._last_serving.items()},
                                          {key: answers for key, (_, answers) in self._members.items()})
         for item in resolution.resend:
             key = (item.micro_batch_id, item.stage)

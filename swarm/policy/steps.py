@@ -22,10 +22,11 @@ the simulator can build it from its own state. No clocks, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Collection, Dict, FrozenSet, Mapping, Sequence, Set, Tuple
+from collections import Counter
+from typing import Collection, Dict, FrozenSet, Mapping, Optional, Sequence, Set, Tuple
 
 __all__ = [
-    "ReplicaClaim", "StageView", "trusted_others", "needs_resync", "diverged", "others_reserved",
+    "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
     "overclaimers", "clock_step", "MAX_CLAIM_SHARE",
 ]
@@ -62,6 +63,11 @@ class StageView:
     others: Tuple[ReplicaClaim, ...] = ()  # the other online replicas of the stage (trusted ones only)
     clock_steps: Tuple[int, ...] = ()  # steps announced by the clock stage's online or leaving replicas
     overlap_averaging: bool = False
+    # the other online replicas whose announced state counts (all but the banned and those that served a false
+    # state); None = ``others``. Wider than ``others``: a replica whose claims about pending work are ignored
+    # for a while still holds the stage's parameters
+    voters: Optional[Tuple[ReplicaClaim, ...]] = None
+    history: Tuple[Tuple[int, str], ...] = ()  # (step, digest) this replica's parameters had at recent steps
 
 
 def trusted_others(claims: Sequence[ReplicaClaim], distrusted: Collection[str]) -> Tuple[ReplicaClaim, ...]:
@@ -69,8 +75,32 @@ def trusted_others(claims: Sequence[ReplicaClaim], distrusted: Collection[str]) 
     return tuple(claim for claim in claims if claim.peer_id not in distrusted)
 
 
+def majority_state(view: StageView) -> Optional[Tuple[int, str]]:
+    """The (step, digest) that a strict majority of the stage's replicas announce, this one included; None
+    if there is none. Replicas that announce no digest yet do not vote."""
+    voters = view.others if view.voters is None else view.voters
+    votes = Counter((claim.step, claim.digest) for claim in voters if claim.digest)
+    if view.digest:
+        votes[(view.step, view.digest)] += 1
+    total = sum(votes.values())
+    found = [key for key, count in votes.items() if 2 * count > total]
+    return found[0] if found else None
+
+
 def needs_resync(view: StageView) -> bool:
-    """Whether to download the stage's state: another replica is ahead, or we diverged from it."""
+    """Whether to download the stage's state.
+
+    When a strict majority of the stage (this replica included) holds one state, a replica that does not
+    hold it gives way, unless the majority merely lags on this replica's own lineage (it had that state
+    at that step and moved on). A majority that is behind on another lineage wins too: a replica that
+    stepped alone while the others averaged returns to them instead of training on its own. Without a
+    majority: resync when another replica is ahead, or when we diverged at one step (:func:`diverged`)."""
+    majority = majority_state(view)
+    if majority is not None:
+        if majority == (view.step, view.digest):
+            return False
+        step, _ = majority
+        return step > view.step or majority not in view.history
     return any(claim.step > view.step for claim in view.others) or diverged(view)
 
 

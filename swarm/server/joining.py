@@ -162,7 +162,8 @@ class Joining:
     def _sources(self, records: Dict[str, PeerRecord]) -> StateSources:
         peer = self.peer
         claims = [StateClaim(r.peer_id, r.state, r.step, r.digest) for r in records.values() if r.stage == peer.stage]
-        return trusted_state_sources(claims, peer.peer_id, self._refused_now(), self._rng)
+        banned = peer.steps.banned_now() if peer.steps is not None else set()
+        return trusted_state_sources(claims, peer.peer_id, self._refused_now() | banned, self._rng)
 
     async def _adopt_first_verified(self, sources: StateSources, deadline: float) -> bool:
         """Download from ``sources`` one at a time, until one serves the announced state; refuse the others."""

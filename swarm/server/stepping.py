@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from hivemind.utils import get_logger
 
@@ -30,6 +30,7 @@ __all__ = ["StepCoordinator", "FAST_PERIOD_S", "MEMBER_HISTORY"]
 logger = get_logger(__name__)
 FAST_PERIOD_S = 0.05  # announce/check period (seconds) while a stage nears its global batch
 MEMBER_HISTORY = 256  # applied steps whose group members a replica remembers (the step_members RPC)
+HISTORY_STEPS = 64  # past (step, digest) pairs a replica remembers: a majority that lags on them needs no resync
 MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica applies a step alone
 RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored after they proved false
@@ -47,6 +48,9 @@ class StepCoordinator:
         self._distrusted: Dict[str, float] = {}  # peer id -> monotonic time until which its claims are ignored
         self._banned: Dict[str, float] = {}  # peer id -> monotonic time it was banned from averaging (newest last)
         self._others: Tuple[ReplicaClaim, ...] = ()
+        self._voters: Tuple[ReplicaClaim, ...] = ()  # stage-mates whose announced state counts (see StageView.voters)
+        self._state_distrusted: Dict[str, float] = {}  # peer id -> until when its announced state does not count
+        self.history: Deque[Tuple[int, str]] = deque(maxlen=HISTORY_STEPS)  # (step, digest) of our recent states
         self._clock_steps: Tuple[int, ...] = ()
         self._failed_rounds = 0
 
@@ -59,17 +63,20 @@ class StepCoordinator:
             target_batch_size=peer.run.target_batch_size, step=runner.step, accum_step=runner.accum_step,
             samples_pending=runner.samples_pending, samples_admitted=self.admitted, digest=runner.digest,
             averaging=runner.frozen is not None, others=self._others, clock_steps=self._clock_steps,
-            overlap_averaging=peer.config.overlap_averaging)
+            overlap_averaging=peer.config.overlap_averaging, voters=self._voters,
+            history=tuple(self.history) + ((runner.step, runner.digest),))
 
     def _observe(self, records: Dict[str, PeerRecord]) -> None:
         """Take the stage's claims from a DHT snapshot, leaving out replicas caught lying."""
         peer, now = self.peer, time.monotonic()
         self._distrusted = {p: until for p, until in self._distrusted.items() if until > now}
+        self._state_distrusted = {p: until for p, until in self._state_distrusted.items() if until > now}
         claims = [ReplicaClaim(r.peer_id, r.step, r.accum_step, r.samples_pending, r.samples_admitted, r.digest)
                   for r in records.values()
                   if r.stage == peer.stage and r.peer_id != peer.peer_id and r.state == "online"]
         self._adopt_stage_bans(records)
-        self._others = trusted_others(claims, self._distrusted)
+        self._others = trusted_others(claims, {**self._distrusted, **self._banned})
+        self._voters = trusted_others(claims, {**self._state_distrusted, **self._banned})
         last = peer.run.num_stages - 1
         self._clock_steps = tuple(r.step for r in records.values() if r.stage == last and r.state in ("online", "leaving")
                                   and r.peer_id not in self._distrusted)
@@ -141,9 +148,13 @@ class StepCoordinator:
         logger.info(f"stage {peer.stage}: out of sync with the other replicas at step {view.step}; downloading their state")
         delivered = await peer.joining.download_state(max_attempts=RESYNC_ATTEMPTS)
         # a claim that no download could bear out is ignored for a while (then believed again, if still made)
-        self.distrust([c.peer_id for c in ahead if c.step > peer.runner.step],
-                      f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
-                      f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}")
+        false_states = [c.peer_id for c in ahead if c.step > peer.runner.step]
+        self.distrust(false_states, f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
+                                    f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}")
+        for peer_id in false_states:
+            self._state_distrusted[peer_id] = time.monotonic() + DISTRUST_S
+        if delivered:
+            self.history.clear()  # a state of the stage's lineage replaced ours
 
     async def _global_step(self, view: StageView) -> None:
         peer = self.peer
@@ -196,6 +207,11 @@ class StepCoordinator:
                 self._banned.pop(peer_id, None)
                 self._banned[peer_id] = time.monotonic()
 
+    def banned_now(self) -> Set[str]:
+        """Stage-mates banned from averaging within the last ``BAN_S`` seconds."""
+        now = time.monotonic()
+        return {p for p, t in self._banned.items() if now - t < BAN_S}
+
     def excluded(self) -> List[str]:
         """Stage-mates banned from averaging within the last ``BAN_S`` seconds, newest first (for the record)."""
         now = time.monotonic()
@@ -206,6 +222,7 @@ class StepCoordinator:
         """Apply the frozen step with the group's mean gradient, remember who contributed, announce."""
         peer = self.peer
         step = peer.runner.frozen.step
+        self.history.append((peer.runner.step, peer.runner.digest))
         await peer.compute(peer.runner.apply, mean_grads, total_samples)
         self._failed_rounds = 0
         self.remember(step, members)
