@@ -20,7 +20,7 @@ demo: venv
 	$(BIN)/swarm demo --config examples/demo.yaml
 
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
 
 bench: venv
 	$(BIN)/python benchmarks/pipeline.py
