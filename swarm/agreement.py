@@ -1,7 +1,8 @@
 """Do the participants agree on the run? Every peer announces a hash of its run settings.
 
 A participant whose settings differ from the run's (another model shape, learning rate, number of
-stages, target batch size, protocol version) would compute garbage for everyone else. So:
+stages, target batch size, compression, protocol version) would compute garbage for everyone else, or
+send what the others cannot read. So:
 - on start, a peer or trainer compares its hash with those the run's peers announce; where they
   differ it asks one of them for its settings (the ``settings`` RPC) and refuses to start with a
   message naming the first field that differs;

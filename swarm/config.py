@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
+from swarm.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from swarm.local_training import OptimizerConfig
 from swarm.model import ModelConfig
 from swarm.policy.aggregation import AggregationConfig
@@ -41,6 +42,8 @@ class RunConfig:
     allowlist: List[str] = field(default_factory=list)  # peer ids allowed in a private run; empty = anyone may join
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)  # how replicas combine gradients (with defences on)
     defences: bool = True  # Byzantine defences (robust averaging, state checks, per-micro-batch clipping, verification); off only to measure them
+    compression: str = "none"  # how activations, their gradients and the stage all-reduce travel: none (exact), fp16 or int8 (lossy, 2x and ~4x fewer bytes)
+    compression_block_size: int = 256  # values per int8 block, each with its own scale (64-4096): smaller is more precise, larger sends fewer scales
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
@@ -56,6 +59,16 @@ class RunConfig:
                              f"({self.num_stages} stages)")
         if not isinstance(self.target_batch_size, int) or self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
+        self._check_compression()
+
+    def _check_compression(self) -> None:
+        if self.compression not in CODECS:
+            raise ValueError(f"compression must be one of {list(CODECS)}, got {self.compression!r}")
+        block_size = self.compression_block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) \
+                or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"compression_block_size must be an integer in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+                             f"got {block_size!r}")
 
 
 @dataclass

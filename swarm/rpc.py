@@ -7,6 +7,12 @@ reply ``{"error": ..., "kind": ...}`` so the caller gets the server's reason, no
 Payloads above ``OFF_LOOP_BYTES`` are encoded and decoded on a small thread pool, so one
 large message does not stall every other request of the process.
 
+Lossy compression (see :mod:`swarm.compression`) is chosen per call: a caller passes
+``compression`` to :func:`call_peer`, a servicer compresses the replies of the methods named in
+``compress_replies``. Whether a call goes unary or streamed is decided on the encoded, hence
+compressed, size; whether encoding is worth a thread, on the tensors' uncompressed size, which is
+what compressing costs.
+
 Kinds of :class:`RemoteError` (what the caller should do about it):
 
 - ``bad_request``: the server refused this request as malformed; another replica will too.
@@ -27,12 +33,13 @@ import asyncio
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
+from swarm.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
 from swarm.reach import dialer_for, is_routing_failure
 from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode_parts, encode, payload_size_hint
 
@@ -92,10 +99,10 @@ async def _decode(parts: Sequence[bytes], max_bytes: int) -> Dict[str, Any]:
     return await asyncio.get_running_loop().run_in_executor(_codec_executor(), decode_parts, parts, max_bytes)
 
 
-async def _encode(message: Mapping[str, Any]) -> bytes:
+async def _encode(message: Mapping[str, Any], compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
     if payload_size_hint(message) <= OFF_LOOP_BYTES:
-        return encode(message)
-    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), encode, message)
+        return encode(message, compression, block_size)
+    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), encode, message, compression, block_size)
 
 
 class CallerBudget:
@@ -150,11 +157,16 @@ class RPCServicer(ServicerBase):
     input they refuse: it becomes 'bad_request' with no traceback logged. :class:`RemoteError`
     keeps its kind; anything else is a bug, logged with its traceback, and becomes 'internal'.
     The server keeps serving everyone else in all cases.
+
+    Replies of the methods in ``compress_replies`` are encoded with ``compression`` (every other
+    reply goes exact); one whose tensors cannot be compressed (NaN, inf, float16 overflow) becomes
+    an 'internal' error reply that says so, since the values came from this server.
     """
 
     def __init__(self, handlers: Mapping[str, Handler], max_message_bytes: int = MAX_MESSAGE_BYTES, *,
                  max_requests_per_caller: int = 64, max_bytes_per_caller: Optional[int] = None,
-                 authorize: Optional[Callable[[str], bool]] = None):
+                 authorize: Optional[Callable[[str], bool]] = None, compression: str = "none",
+                 block_size: int = DEFAULT_BLOCK_SIZE, compress_replies: Collection[str] = ()):
         max_bytes_per_caller = 4 * max_message_bytes if max_bytes_per_caller is None else max_bytes_per_caller
         if max_message_bytes < 1 or max_requests_per_caller < 1:
             raise ValueError("max_message_bytes and max_requests_per_caller must be at least 1")
@@ -165,6 +177,8 @@ class RPCServicer(ServicerBase):
         self.max_message_bytes = max_message_bytes
         self.budget = CallerBudget(max_requests_per_caller, max_bytes_per_caller)
         self.authorize = authorize
+        self.compression, self.block_size = check_codec(compression), check_block_size(block_size)
+        self.compress_replies = frozenset(compress_replies)
         self._reported: "OrderedDict[str, None]" = OrderedDict()  # unauthorized callers already logged
 
     # ---- admission ----
@@ -222,8 +236,16 @@ class RPCServicer(ServicerBase):
         except Exception as e:
             logger.exception(f"{method[:64]} from {caller} failed")
             return _error(f"{method[:64]} failed on the server: {type(e).__name__}: {e}", "internal")
+        return await self._encode_reply(method, reply, caller)
+
+    async def _encode_reply(self, method: str, reply: Mapping[str, Any], caller: str) -> bytes:
+        compression = self.compression if method in self.compress_replies else "none"
         try:
-            return await _encode(reply)
+            return await _encode(reply, compression, self.block_size)
+        except CompressionError as e:
+            logger.warning(f"the reply of {method[:64]} to {caller} cannot be sent in {compression}: {e}")
+            return _error(f"{method[:64]} failed on the server: its reply cannot be compressed to {compression} ({e})",
+                          "internal")
         except Exception as e:
             logger.exception(f"the reply of {method[:64]} to {caller} cannot be encoded")
             return _error(f"{method[:64]} failed on the server: unencodable reply ({type(e).__name__})", "internal")
@@ -301,16 +323,30 @@ async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -
     return [response.metadata]
 
 
+async def _encode_request(message: Mapping[str, Any], compression: str, block_size: int) -> bytes:
+    """``message`` in ``compression``, or exact where its tensors cannot be compressed: they are the
+    caller's own values, no fault of the peer called, and every receiver decodes both forms."""
+    try:
+        return await _encode(message, compression, block_size)
+    except CompressionError as e:
+        logger.debug(f"sending a request uncompressed: {e}")
+        return await _encode(message)
+
+
 async def call_peer(
     p2p: P2P, peer_id: PeerID, method: str, message: Mapping[str, Any], *, timeout: float, stream: bool = False,
-    max_reply_bytes: int = MAX_MESSAGE_BYTES,
+    max_reply_bytes: int = MAX_MESSAGE_BYTES, compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Dict[str, Any]:
     """Call ``method`` on ``peer_id`` and return its decoded reply, within ``timeout`` seconds.
 
+    With ``compression`` ``"fp16"`` or ``"int8"`` the request's float tensors travel compressed
+    (blocks of ``block_size`` values for int8); the reply is whatever the peer sends, decoded.
     Raises :class:`RemoteError` if the peer answered with an error (with the peer's kind) or
     with an oversized or undecodable reply (kind 'bad_reply'), ``asyncio.TimeoutError`` on
     timeout, and connection errors as they come from p2pd.
     """
+    check_codec(compression)
+    check_block_size(block_size)
     stub = RPCServicer.get_stub(p2p, peer_id, namespace=NAMESPACE)
     dialer = dialer_for(p2p)
 
@@ -322,7 +358,7 @@ async def call_peer(
 
     async def _call() -> Dict[str, Any]:
         await dialer.ensure(str(peer_id))
-        payload = await _encode(message)
+        payload = await _encode_request(message, compression, block_size)
         try:
             return await _send(payload)
         except Exception as e:

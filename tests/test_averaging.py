@@ -1,4 +1,5 @@
-"""After global steps, every replica of a stage holds identical parameters, all stages at one step."""
+"""After global steps, every replica of a stage holds identical parameters, all stages at one step
+(with the run's compression too)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,31 @@ async def test_replicas_identical_and_stages_in_step(launcher, probe):
         assert exported[0]["step"] == exported[1]["step"]
         for a, b in zip(exported[0]["parameters"], exported[1]["parameters"]):
             assert torch.equal(a, b), f"stage {stage} replicas differ"
+
+
+async def test_replicas_averaging_in_int8_stay_identical(launcher, probe):
+    """Activations, their gradients and the stage all-reduce in int8: each replica aggregates the decoded
+    gradients (its own included), so the replicas of a stage still hold bit-identical parameters."""
+    int8 = ["--compression", "int8"]
+    replicas = [launcher.peer(0, target_batch_size=32, extra=int8, wait=False) for _ in range(2)]
+    last = launcher.peer(1, target_batch_size=32, extra=int8, wait=False)
+    for peer in (*replicas, last):  # started together: a peer's start-up is most of this test's time
+        peer.wait_event("peer_ready", timeout=90)
+    await probe.wait_for(lambda r: len(online(r, 0)) == 2 and len(online(r, 1)) == 1, 30, "2 + 1 replicas online")
+    trainer = launcher.trainer(target_batch_size=32, extra=[*int8, "--max_samples", "64", "--batch_size", "8"])
+    assert trainer.wait_event("trainer_done", timeout=60)["samples_sent"] == 64
+
+    def settled(r) -> bool:
+        return (len(r) == 3 and len({rec.step for rec in r.values()}) == 1 and next(iter(r.values())).step >= 1
+                and not any(rec.samples_frozen for rec in r.values()))
+
+    records = await probe.wait_for(settled, 30, "all replicas at one step, at least 1")
+    stage0 = online(records, 0)
+    assert len({r.digest for r in stage0}) == 1, [r.digest for r in stage0]
+    for step in range(stage0[0].step):  # averaged together, not applied alone
+        members = (await probe.call(stage0[0].peer_id, "step_members", {"stage": 0, "step": step}))["members"]
+        assert sorted(members) == sorted(r.peer_id for r in stage0), (step, members)
+    exported = [await probe.call(r.peer_id, "parameters", {}) for r in stage0]
+    assert all(torch.equal(a, b) for a, b in zip(exported[0]["parameters"], exported[1]["parameters"]))
+    # identical by construction, not because a replica downloaded the other's state after diverging
+    assert not any("out of sync" in peer.log_tail(20_000) for peer in replicas)

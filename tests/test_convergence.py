@@ -1,7 +1,10 @@
 """2 stages x 2 replicas with 2 trainers reach, after the same number of samples, a validation
-loss within 5% of single-process training of the same model from the same initialisation."""
+loss within 5% of single-process training of the same model from the same initialisation; with
+activations, their gradients and the stage all-reduce compressed to int8, within 1%."""
 
 from __future__ import annotations
+
+from typing import Sequence, Tuple
 
 import torch
 
@@ -14,12 +17,14 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
 TARGET, PER_TRAINER, LR = 64, 640, 0.003
 
 
-async def test_swarm_matches_single_process_validation_loss(launcher, probe):
-    lr = ["--lr", str(LR)]
+async def train_and_compare(launcher, probe, extra: Sequence[str] = ()) -> Tuple[float, float]:
+    """Train the swarm (every role given ``extra``), then the baseline on as many samples in as many
+    steps, uncompressed in one process; returns (swarm loss, baseline loss) on the same validation batches."""
+    args = ["--lr", str(LR), *extra]
     for stage in (0, 0, 1, 1):
-        launcher.peer(stage, target_batch_size=TARGET, extra=lr)
+        launcher.peer(stage, target_batch_size=TARGET, extra=args)
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
-    trainers = [launcher.trainer(target_batch_size=TARGET, extra=[*lr, "--max_samples", str(PER_TRAINER),
+    trainers = [launcher.trainer(target_batch_size=TARGET, extra=[*args, "--max_samples", str(PER_TRAINER),
                                                                    "--trainer_seed", str(i), "--max_in_flight", "2"])
                 for i in (1, 2)]
     total = sum(t.wait_event("trainer_done", timeout=240)["samples_sent"] for t in trainers)
@@ -48,8 +53,19 @@ async def test_swarm_matches_single_process_validation_loss(launcher, probe):
     local, _ = train_single_process(MODEL, 2, 0, OptimizerConfig(lr=LR), batch_size=round(applied / steps),
                                     num_steps=steps, sampler_seed=7, corpus=corpus)
     local_loss = evaluate(local, batches)
-    print(f"validation loss: initial {initial:.4f}, swarm {swarm_loss:.4f}, single process {local_loss:.4f}; "
+    print(f"validation loss {' '.join(extra) or '(uncompressed)'}: initial {initial:.4f}, swarm {swarm_loss:.4f}, "
+          f"single process {local_loss:.4f} ({(swarm_loss - local_loss) / local_loss:+.2%}); "
           f"{steps} global steps of {applied / steps:.1f} samples on average (target {TARGET})")
     assert applied >= steps * TARGET and applied <= total
     assert initial - local_loss > 0.5, "the baseline must learn something for the comparison to mean anything"
+    return swarm_loss, local_loss
+
+
+async def test_swarm_matches_single_process_validation_loss(launcher, probe):
+    swarm_loss, local_loss = await train_and_compare(launcher, probe)
     assert abs(swarm_loss - local_loss) <= 0.05 * local_loss
+
+
+async def test_int8_swarm_stays_within_1_percent_of_uncompressed_single_process(launcher, probe):
+    swarm_loss, local_loss = await train_and_compare(launcher, probe, ["--compression", "int8"])
+    assert abs(swarm_loss - local_loss) <= 0.01 * local_loss

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from tests.utils.netns import Hosts, NamespacesUnavailable, namespaces_unavailable
+from peers.netns import Hosts, NamespacesUnavailable, namespaces_unavailable
 from tests.utils.probe import Probe, online
 from tests.utils.processes import FAST_PEER, Launcher
 

@@ -21,7 +21,7 @@ SAMPLES = 16
 class Group:
     """Four DHT nodes with an averager each; ``close()`` shuts every process down."""
 
-    def __init__(self, faults: List[str], robust: bool, prefix: str):
+    def __init__(self, faults: List[str], robust: bool, prefix: str, compression: str = "none"):
         self.dhts, self.averagers = [], []
         try:
             for fault in faults:
@@ -32,7 +32,7 @@ class Group:
                     SHAPES, lambda: ({}, []), dht=dht, start=True, prefix=prefix, min_group_size=2,
                     min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0, next_chunk_timeout=6.0,
                     initial_group_bits="0" * 16, fault=fault, aggregation=AggregationConfig() if robust else None,
-                    signing_key=dht.identity.private_key))
+                    signing_key=dht.identity.private_key, compression=compression))
         except BaseException:
             self.close()
             raise
@@ -68,8 +68,8 @@ def flat(tensors) -> torch.Tensor:
 def group_factory():
     groups: List[Group] = []
 
-    def make(faults: List[str], robust: bool = True) -> Group:
-        groups.append(Group(faults, robust, prefix=f"robust{len(groups)}"))
+    def make(faults: List[str], robust: bool = True, compression: str = "none") -> Group:
+        groups.append(Group(faults, robust, prefix=f"robust{len(groups)}", compression=compression))
         return groups[-1]
 
     try:
@@ -119,6 +119,23 @@ async def test_a_member_sending_different_gradients_to_different_members_is_caug
         assert attacker in result.banned and "two different gradients" in result.banned[attacker], result.banned
         assert attacker not in result.included
     assert all(torch.equal(flat(results[0].tensors), flat(r.tensors)) for r in results[1:3])
+
+
+async def test_int8_rounds_leave_honest_members_identical_and_still_catch_an_equivocator(group_factory):
+    """Gradients travel in int8: each member aggregates the decoded gradients, its own included, so the
+    honest members still agree bit for bit; the commitments hash the compressed bytes, so two different
+    compressed gradients of one sender are caught as before."""
+    grads = [honest_grads(i) for i in range(4)]
+    group = group_factory(["none", "none", "none", "equivocate_gradients"], robust=True, compression="int8")
+    attacker = str(group.dhts[3].peer_id)
+    results = await group.round(grads)
+    for result in results[:3]:
+        assert result is not None and attacker in result.banned and len(result.included) == 3, result.banned
+    assert all(torch.equal(flat(results[0].tensors), flat(r.tensors)) for r in results[1:3])
+    honest_mean = sum(flat(g) for g in grads[:3]) / 3
+    norm = torch.linalg.vector_norm
+    error = float(norm(flat(results[0].tensors) - honest_mean) / norm(honest_mean))
+    assert 0 < error < 0.02, error  # lossy, within int8's error
 
 
 async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_of_clean(launcher, probe):

@@ -12,6 +12,11 @@ to another replica, so a bad output of stage k is blamed on stage k's replica, n
 replica of stage k+1 that would have received it. A wrong but well-formed reply passes these
 checks; with defences on, the trainer's :class:`swarm.client.verification.ReplyVerifier` spot-checks
 replies on other replicas and hands back the majority's reply where the first one was outvoted.
+
+With the run's ``compression``, the activations and gradients of forward and backward requests travel
+compressed (the stage's replies too: see :mod:`swarm.server.handlers`), and arrive as float32 either
+way. The trainer keeps the decoded activations it received, so a stage's backward recomputes its
+forward from exactly the inputs its forward saw.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from hivemind.utils import get_logger
 
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
+from swarm.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec
 from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
@@ -155,13 +161,16 @@ def judge_failure(error: BaseException) -> FailureVerdict:
 class PipelineClient:
     """Routes calls to stage replicas; ``snapshot()`` returns the current peers (refreshed elsewhere).
 
-    Runs in the trainer's event loop; ``model`` gives the hidden size that replies are checked against."""
+    Runs in the trainer's event loop; ``model`` gives the hidden size that replies are checked against;
+    requests go in the run's ``compression`` (blocks of ``block_size`` values for int8)."""
 
     def __init__(self, p2p: P2P, num_stages: int, snapshot: Callable[[], Sequence[PeerInfo]], router: Router,
                  ledger: Ledger, *, model: ModelConfig, forward_timeout_s: float, backward_timeout_s: float,
-                 max_retries: int, on_stale_snapshot: Optional[Callable[[], None]] = None, busy_pause_s: float = 0.5):
+                 max_retries: int, on_stale_snapshot: Optional[Callable[[], None]] = None, busy_pause_s: float = 0.5,
+                 compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE):
         self.p2p, self.num_stages, self.snapshot, self.router, self.ledger = p2p, num_stages, snapshot, router, ledger
         self.model = model
+        self.compression, self.block_size = check_codec(compression), check_block_size(block_size)
         self.forward_timeout_s, self.backward_timeout_s, self.max_retries = forward_timeout_s, backward_timeout_s, max_retries
         self.on_stale_snapshot = on_stale_snapshot or (lambda: None)
         self.busy_pause_s = busy_pause_s
@@ -197,7 +206,8 @@ class PipelineClient:
         """One call to one replica; returns its checked reply, raises whatever went wrong."""
         started = time.monotonic()
         reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
-                                timeout=timeout, max_reply_bytes=self._reply_limit(message))
+                                timeout=timeout, max_reply_bytes=self._reply_limit(message),
+                                compression=self.compression, block_size=self.block_size)
         self._check(peer_id, stage, method, message, reply)
         self.router.report_success(peer_id, _samples(message), time.monotonic() - started)
         return reply

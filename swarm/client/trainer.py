@@ -131,7 +131,8 @@ class Trainer:
         self.client = PipelineClient(
             p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed), self.ledger,
             model=self.run.model, forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
-            max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set)
+            max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set,
+            compression=self.run.compression, block_size=self.run.compression_block_size)
         self.client.attack = self.attack
         if self.run.defences:
             self.client.verifier = ReplyVerifier(

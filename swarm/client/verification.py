@@ -4,6 +4,11 @@ Acts on the decisions of :mod:`swarm.policy.verification` (which states the desi
 replies to check, calls a witness (and on a mismatch a referee) through the trainer's
 :class:`~swarm.client.pipeline.PipelineClient`, bans an outvoted replica and publishes the accusation,
 and turns accusations read from the DHT into suspicion. Runs in the trainer's event loop.
+
+With lossy compression, two replies are compared as they arrived, decoded: replicas whose outputs agree
+bit for bit send the same bytes, but outputs that differ by float32 noise (replicas on other kernels or
+devices) can round to neighbouring codes. The policy's ``rtol`` is therefore widened by what compression
+alone may add (:func:`compression_slack`), so that no honest pair is accused for it.
 """
 
 from __future__ import annotations
@@ -12,19 +17,46 @@ import random
 import time
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence
 
+import torch
 from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
 from swarm.client.pipeline import PipelineClient
+from swarm.compression import FLOAT_DTYPES, CompressionError, compress, error_bound
 from swarm.policy.verification import (
     Observation, VerificationBook, VerificationPolicy, blame_incomparable, compare, compared_keys, fingerprint,
     outvoted, params_step, request_fingerprint,
 )
 from swarm.records import AccusationRecord
 
-__all__ = ["ReplyVerifier"]
+__all__ = ["ReplyVerifier", "compression_slack"]
 
 logger = get_logger(__name__)
+
+
+def compression_slack(replies: Sequence[Mapping[str, Any]], keys: Sequence[str], codec: str, block_size: int) -> float:
+    """The relative L2 distance that compressing two of ``replies`` may add to the distance of their originals.
+
+    Each decoded tensor lies within :func:`swarm.compression.error_bound` of what its replica computed, so
+    two decoded replies differ by at most their originals' distance plus both bounds' norms: twice the
+    largest bound relative to its tensor's norm. Recompressing a decoded tensor gives that bound again
+    (its blocks keep their scales). 0 without compression; pure, no I/O."""
+    if codec == "none":
+        return 0.0
+    worst = 0.0
+    for reply in replies:
+        for key in keys:
+            value = reply.get(key)
+            if not isinstance(value, torch.Tensor) or value.dtype not in FLOAT_DTYPES:
+                continue
+            norm = float(value.double().norm())
+            try:
+                bound = float(error_bound(compress(value, codec, block_size)).double().norm())
+            except CompressionError:  # NaN or inf: such a reply fails every comparison anyway
+                continue
+            if norm > 0:
+                worst = max(worst, bound / norm)
+    return 2 * worst
 
 
 class ReplyVerifier:
@@ -63,7 +95,7 @@ class ReplyVerifier:
         if second is None:
             return dict(first.reply)
         self.num_checks += 1
-        verdict = compare(first, second, keys, self.policy.rtol)
+        verdict = compare(first, second, keys, self._rtol([first, second], keys))
         if verdict.comparison == "agree":
             self.book.agreed([first.peer_id, second.peer_id])
         elif verdict.comparison == "incomparable":
@@ -77,7 +109,10 @@ class ReplyVerifier:
         """Two replies disagree: a third replica decides which one is outvoted."""
         first, second = pair
         third = await self._observe(stage, method, request, timeout, exclude=[first.peer_id, second.peer_id])
-        loser = None if third is None else outvoted([first, second, third], keys, self.policy.rtol)
+        loser = None
+        if third is not None:
+            trio = [first, second, third]
+            loser = outvoted(trio, keys, self._rtol(trio, keys))
         now = time.monotonic()
         if loser is None:
             logger.warning(f"stage {stage} {method} replies of {first.peer_id} and {second.peer_id} disagree "
@@ -89,6 +124,11 @@ class ReplyVerifier:
         self.book.agreed([o.peer_id for o in winners])
         await self._convict(stage, method, message, loser, winners, keys, reason)
         return dict(winners[0].reply)
+
+    def _rtol(self, observations: Sequence[Observation], keys: Sequence[str]) -> float:
+        """The policy's tolerance, widened by what the run's compression may add between these replies."""
+        replies = [o.reply for o in observations]
+        return self.policy.rtol + compression_slack(replies, keys, self.client.compression, self.client.block_size)
 
     async def _observe(self, stage: int, method: str, request: Dict[str, Any], timeout: float,
                        exclude: Sequence[str]) -> Optional[Observation]:

@@ -11,6 +11,16 @@ reduces a part for the others; members caught sending non-finite, far-off or two
 banned by this averager for ``ban_s`` seconds (their later join requests and parts are refused). Without
 it, hivemind's butterfly all-reduce computes the weighted mean.
 
+With the run's ``compression``, a robust round sends every gradient compressed (see
+:mod:`.robust_allreduce`); the butterfly sends its parts and their averages through hivemind's
+``Float16Compression`` (fp16) or :class:`BlockwiseInt8` (int8, our quantizer). hivemind's receiver picks
+the decoder by the codec's protobuf tag, so :class:`BlockwiseInt8` takes the ``BLOCKWISE_8BIT`` tag in
+the averager's process (hivemind's own codec of that tag needs bitsandbytes, which we do not use).
+The butterfly returns each member its average as a compressed difference from that member's own
+part, so members end apart by the compression's error: their parameter digests differ after the step
+and one of them downloads the other's state (see :mod:`swarm.policy.steps`). A robust round has no
+such drift: every member aggregates the same decoded gradients.
+
 In a private run (a non-empty allowlist) the averager deals only with allowlisted peers: it refuses
 join requests, tensor parts and state downloads from anyone else (hivemind's averaging RPCs have
 no access control of their own), never asks an outsider to lead its group, and refuses to average
@@ -20,6 +30,7 @@ in a group that contains one.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from concurrent.futures import InvalidStateError
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
@@ -28,9 +39,10 @@ import torch
 from hivemind import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, deserialize_torch_tensor
+from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
@@ -38,11 +50,13 @@ from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.auth import Allowlist
+from swarm.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
+                               compress, decompress)
 from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.server.faults import GradientFault
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 
-__all__ = ["StageAverager", "RoundResult", "step_group_bits"]
+__all__ = ["StageAverager", "RoundResult", "BlockwiseInt8", "butterfly_compression", "step_group_bits"]
 
 logger = get_logger(__name__)
 GROUP_BITS = 16
@@ -66,6 +80,57 @@ def step_group_bits(step: int) -> str:
     return format(step % 2**GROUP_BITS, f"0{GROUP_BITS}b")
 
 
+class BlockwiseInt8(CompressionBase):
+    """hivemind's codec interface over :func:`swarm.compression.compress` with ``int8``: one code per value
+    and one float32 scale per ``block_size`` values of each part. The protobuf carries the codes then the
+    scales; the part's dtype (float32 or float64) comes back on extraction. Everything a sender wrote is
+    checked (lengths, codes, finite scales and values) before a value is used."""
+
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+    DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE):
+        self.block_size = check_block_size(block_size)
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        dtype = str(tensor.dtype).replace("torch.", "")
+        if dtype not in self.DTYPES:
+            raise CompressionError(f"{type(self).__name__} sends float32 and float64 tensors, not {tensor.dtype}")
+        c = compress(tensor.detach().cpu().to(torch.float32), "int8", self.block_size)
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=c.data + c.scales, size=tensor.shape,
+                                  dtype=dtype, requires_grad=False)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        dtype = self.DTYPES.get(serialized_tensor.dtype)
+        if dtype is None:
+            raise CompressionError(f"int8 part of dtype {serialized_tensor.dtype[:32]!r}")
+        shape = tuple(serialized_tensor.size)
+        numel = math.prod(shape)
+        buffer = serialized_tensor.buffer
+        c = Compressed("int8", shape, self.block_size, buffer[:numel], buffer[numel:])
+        return decompress(c).to(dtype)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        bits = torch.finfo(info.descriptor.dtype).bits if info.descriptor.dtype.is_floating_point else 32
+        return (8 + 32 / self.block_size) / bits
+
+
+def butterfly_compression(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CompressionBase:
+    """What hivemind's butterfly all-reduce sends parts in, for the run's ``codec``."""
+    if codec == "fp16":
+        return Float16Compression()
+    if codec == "int8":
+        return BlockwiseInt8(block_size)
+    raise ValueError(f"the butterfly all-reduce compresses in fp16 or int8, not {codec!r}")
+
+
+def _register_decoder(codec: CompressionBase) -> None:
+    """Make hivemind decode ``codec``'s tag with ``codec`` in this process: its receiver looks decoders up
+    by tag, in one table of its own."""
+    name = runtime_pb2.CompressionType.Name(codec.compression_type)
+    hivemind_serialization._BASE_COMPRESSION_TYPES[name] = codec
+
+
 class StageAverager(DecentralizedAverager):
     """Averages gradient-shaped tensors; serves ``state_fn()`` to replicas that download state.
 
@@ -77,8 +142,11 @@ class StageAverager(DecentralizedAverager):
     def __init__(self, grad_shapes: Sequence[torch.Tensor], state_fn: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]],
                  allowlist: Iterable[str] = (), aggregation: Optional[AggregationConfig] = None,
                  signing_key: Optional[RSAPrivateKey] = None, ban_s: float = 3600.0, max_samples: Optional[float] = None,
-                 fault: str = "none", **kwargs: Any):
+                 fault: str = "none", compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any):
         self._state_fn = state_fn
+        self._compression, self._block_size = check_codec(compression), check_block_size(block_size)
+        if aggregation is None and compression != "none":
+            kwargs["compression"] = butterfly_compression(compression, block_size)
         self._allowlist = Allowlist.of(allowlist)
         self._refused: Set[str] = set()  # outsiders already logged, so each gets one warning
         if aggregation is not None and signing_key is None:
@@ -92,6 +160,13 @@ class StageAverager(DecentralizedAverager):
         # each replica; in float64 the rounding error stays far below float32 resolution, so the
         # replicas' float32 results agree (and the parameter digest catches the rare case they don't)
         super().__init__([torch.zeros_like(t, dtype=torch.float64) for t in grad_shapes], **kwargs)
+
+    def run(self) -> None:
+        """The averager's process: decodes int8 parts with :class:`BlockwiseInt8` before serving anything."""
+        compression = self.allreduce_kwargs.get("compression")
+        if isinstance(compression, BlockwiseInt8):
+            _register_decoder(compression)
+        super().run()
 
     def get_current_state(self):
         metadata, tensors = self._state_fn()
@@ -233,8 +308,8 @@ class StageAverager(DecentralizedAverager):
             peer_ids=group_info.peer_ids, peer_id=self.peer_id, vector=vector, samples=float(kwargs.get("weight") or 0.0),
             key=self._signing_key, config=self._aggregation, banned=set(self._banned),
             timeout=0.8 * (self._allreduce_timeout or 30.0), chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
-            max_samples=self._max_samples,
-            send_override=self._fault.send_override())
+            max_samples=self._max_samples, send_override=self._fault.send_override(),
+            compression=self._compression, block_size=self._block_size)
         self._running_groups[group_id].set_result(round_)
         try:
             outcome = await round_.run()

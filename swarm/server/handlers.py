@@ -8,6 +8,10 @@ Forward and backward replies say which parameters computed them (``step`` of a f
 of a backward, and ``digest``), so that a trainer compares two replicas' replies only when they used
 the same parameters. A backward with ``verify: true`` computes the same reply without accumulating
 anything: a trainer checking another replica's reply (it passes the same per-caller limits as any call).
+
+With the run's ``compression``, the replies of :data:`COMPRESSED_METHODS` (activations and their
+gradients, the bulk of a run's traffic) travel compressed; everything else a peer sends is exact,
+since parameters, states and records must be bit-identical wherever they are compared.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
     from swarm.server.runner import StageRunner
 
-__all__ = ["StageHandlers", "check_micro_batch_id"]
+__all__ = ["StageHandlers", "check_micro_batch_id", "COMPRESSED_METHODS"]
+
+COMPRESSED_METHODS = frozenset({"forward", "backward"})  # methods whose replies use the run's compression
 
 
 def check_micro_batch_id(micro_batch_id: Any, caller: str) -> str:

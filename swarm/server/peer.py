@@ -34,7 +34,7 @@ from swarm.server.averaging import StageAverager
 from swarm.server.batching import ForwardBatcher
 from swarm.server.checkpoints import Checkpointer
 from swarm.server.faults import STATE_FAULTS, corrupt_state
-from swarm.server.handlers import StageHandlers
+from swarm.server.handlers import COMPRESSED_METHODS, StageHandlers
 from swarm.server.joining import Joining
 from swarm.server.rebalancing import rebalance_loop
 from swarm.server.runner import StageRunner
@@ -93,7 +93,9 @@ class StagePeer:
         self.servicer = RPCServicer(
             self.handlers.table(), max_message_bytes=int(self.config.max_message_mb * 2**20),
             max_requests_per_caller=self.config.max_requests_per_caller,
-            max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20), authorize=Allowlist.of(self.run.allowlist).allows)
+            max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20), authorize=Allowlist.of(self.run.allowlist).allows,
+            compression=self.run.compression, block_size=self.run.compression_block_size,
+            compress_replies=COMPRESSED_METHODS)
         await self.servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
         self._tasks = [asyncio.create_task(self.announcer.run())]
         if self.config.checkpoint_dir:
@@ -129,6 +131,7 @@ class StagePeer:
             allowlist=self.run.allowlist, fault=config.fault,
             aggregation=self.run.aggregation if self.run.defences else None, signing_key=identity_of(self.dht).private_key,
             max_samples=float(self.run.target_batch_size), ban_s=BAN_S,
+            compression=self.run.compression, block_size=self.run.compression_block_size,
         )
         if config.fault in STATE_FAULTS:
             # a lying server also bids to be the first choice of hivemind's downloader, which picks the

@@ -4,9 +4,9 @@ hivemind's butterfly all-reduce makes each member reduce one part of the vector 
 lying member could return any values for its part, and CenteredClip needs the distance between whole
 gradients anyway. Here the round has two exchanges over hivemind's ``rpc_aggregate_part`` stream:
 
-1. **gradients**: every member streams its whole gradient (float32 chunks) to every other member,
-   headed by a *commitment* it signs with its peer identity: group id, sender, sample count, size and
-   the SHA-256 of the bytes. A receiver refuses a gradient whose bytes do not match the commitment,
+1. **gradients**: every member streams its whole gradient to every other member, headed by a
+   *commitment* it signs with its peer identity: group id, sender, sample count, size and the SHA-256
+   of the bytes it sends. A receiver refuses a gradient whose bytes do not match the commitment,
    whose signature does not verify, or whose signer is not the peer on the other end of the stream.
 2. **echo**: every member forwards the signed commitments it received to every other member. Two valid
    commitments of one sender with different hashes prove that it sent different gradients to different
@@ -19,6 +19,11 @@ gradient that some members missed (it came late, or its sender skipped them) is 
 end with bit-identical results. Should a liar still make honest members
 hold different inputs (by withholding its gradient from some), their parameter digests differ after
 the step, and the minority downloads the majority's state (see :mod:`swarm.policy.steps`).
+
+With the run's ``compression`` (fp16 or int8), a member compresses its gradient once and sends those
+bytes to everyone (float32 chunks otherwise); the commitment hashes the compressed bytes. Every member,
+the sender included, aggregates the *decoded* gradients, its own too: all hold the same inputs, so the
+results stay bit-identical, and what a member aggregates of its own is what the others received.
 
 Costs: each member sends its gradient to n-1 peers (a butterfly sends about 2x(n-1)/n of it), which
 is the price of letting every member check every contribution; stage groups are small.
@@ -40,14 +45,17 @@ from hivemind.utils import MSGPackSerializer, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, anext
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
+from swarm.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
+                               compress, decompress, num_blocks)
 from swarm.identity import peer_id_of
 from swarm.policy.aggregation import Aggregate, AggregationConfig, equivocators, robust_aggregate
 
-__all__ = ["RobustRound", "Commitment", "IncompleteRound", "agreed_contributions", "sign_commitment", "check_commitment",
-           "CHUNK_ELEMENTS"]
+__all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "sign_commitment",
+           "check_commitment", "pack", "unpack", "CHUNK_ELEMENTS", "CHUNK_BYTES"]
 
 logger = get_logger(__name__)
 CHUNK_ELEMENTS = 2**17  # float32 values per streamed chunk (512 KiB)
+CHUNK_BYTES = 4 * CHUNK_ELEMENTS  # bytes of a compressed gradient per streamed chunk
 MAX_ECHOED = 64  # commitments one echo may carry
 
 
@@ -90,10 +98,15 @@ def vector_hash(vector: torch.Tensor) -> str:
     return hashlib.sha256(vector.contiguous().numpy().tobytes()).hexdigest()
 
 
-def sign_commitment(key: RSAPrivateKey, group_id: bytes, sender: str, samples: float, vector: torch.Tensor) -> Commitment:
-    sha = vector_hash(vector)
-    signature = key.sign(_payload(group_id, sender, samples, vector.numel(), sha))
-    return Commitment(group_id, sender, float(samples), vector.numel(), sha, key.get_public_key().to_bytes(), signature)
+def compressed_hash(codec: str, block_size: int, data: bytes) -> str:
+    """The hash of a compressed gradient's bytes (data, then scales), bound to how they are to be read."""
+    return hashlib.sha256(f"{codec}/{block_size}/".encode() + data).hexdigest()
+
+
+def sign_commitment(key: RSAPrivateKey, group_id: bytes, sender: str, samples: float, size: int,
+                    sha256: str) -> Commitment:
+    signature = key.sign(_payload(group_id, sender, samples, size, sha256))
+    return Commitment(group_id, sender, float(samples), size, sha256, key.get_public_key().to_bytes(), signature)
 
 
 def check_commitment(commitment: Commitment, group_id: bytes, size: int, sender: Optional[str] = None) -> None:
@@ -110,22 +123,73 @@ def check_commitment(commitment: Commitment, group_id: bytes, size: int, sender:
         raise ValueError(f"commitment of {commitment.sender} has a bad signature")
 
 
-def _chunks(vector: torch.Tensor) -> List[runtime_pb2.Tensor]:
-    return [serialize_torch_tensor(vector[i:i + CHUNK_ELEMENTS]) for i in range(0, vector.numel(), CHUNK_ELEMENTS)]
+@dataclass(frozen=True)
+class Packed:
+    """A gradient as one member sends it: the stream's chunks, their hash, and the values receivers decode
+    from them (which the sender aggregates as its own contribution)."""
+
+    chunks: List[runtime_pb2.Tensor]
+    sha256: str
+    vector: torch.Tensor
+
+
+def _chunks(flat: torch.Tensor, chunk: int) -> List[runtime_pb2.Tensor]:
+    return [serialize_torch_tensor(flat[i:i + chunk]) for i in range(0, flat.numel(), chunk)]
+
+
+def pack(vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
+    """``vector`` (float32) ready to send: float32 chunks, or with ``codec`` the compressed bytes as uint8
+    chunks. Raises :class:`~swarm.compression.CompressionError` for values that cannot be compressed."""
+    if codec == "none":
+        return Packed(_chunks(vector, CHUNK_ELEMENTS), vector_hash(vector), vector)
+    compressed = compress(vector, codec, block_size)
+    data = compressed.data + compressed.scales
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return Packed(_chunks(raw, CHUNK_BYTES), compressed_hash(codec, block_size, data), decompress(compressed))
+
+
+def _wire_length(size: int, codec: str, block_size: int) -> int:
+    """Elements a gradient of ``size`` values takes on the stream: float32 values, or compressed bytes."""
+    if codec == "none":
+        return size
+    if codec == "fp16":
+        return 2 * size
+    return size + 4 * num_blocks(size, block_size)
+
+
+def unpack(parts: Sequence[torch.Tensor], size: int, sha256: str, codec: str = "none",
+           block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """The float32 values of a received gradient, from the chunks :func:`pack` made, once their bytes match
+    the signed ``sha256``; ``ValueError`` (:class:`~swarm.compression.CompressionError` included) otherwise."""
+    if codec == "none":
+        vector = torch.cat(list(parts)) if parts else torch.empty(0)
+        if vector_hash(vector) != sha256:
+            raise ValueError("gradient does not match its signed hash")
+        return vector
+    data = b"".join(part.numpy().tobytes() for part in parts)
+    if compressed_hash(codec, block_size, data) != sha256:
+        raise ValueError("gradient does not match its signed hash")
+    values = size * (2 if codec == "fp16" else 1)
+    return decompress(Compressed(codec, (size,), block_size, data[:values], data[values:]))
 
 
 class RobustRound:
     """The state of one round at one member: what it sent, received, and decided.
 
-    ``send_override`` lets an emulated attacker send another vector to some members (tests and benchmarks)."""
+    ``compression`` (one of :data:`swarm.compression.CODECS`, the same for the whole group) and
+    ``block_size`` say how gradients travel. ``send_override`` lets an emulated attacker send another
+    vector to some members (tests and benchmarks)."""
 
     def __init__(self, *, stub_for: Callable[[PeerID], Any], group_id: bytes, peer_ids: Sequence[PeerID], peer_id: PeerID,
                  vector: torch.Tensor, samples: float, key: RSAPrivateKey, config: AggregationConfig,
                  banned: Set[str], timeout: float, chunk_timeout: float, max_samples: Optional[float] = None,
-                 send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None):
+                 send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+                 compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE):
         self.stub_for, self.group_id, self.peer_id = stub_for, group_id, peer_id
         self.others = [p for p in peer_ids if p != peer_id]
         self.vector = vector.detach().to(torch.float32).contiguous()
+        self.compression, self.block_size = check_codec(compression), check_block_size(block_size)
+        self.contribution: Optional[torch.Tensor] = None  # what this member aggregates of its own: what it sent
         self.samples, self.key, self.config, self.banned = samples, key, config, banned
         self.timeout, self.chunk_timeout = timeout, chunk_timeout
         self.max_samples, self.send_override = max_samples, send_override
@@ -173,21 +237,21 @@ class RobustRound:
         check_commitment(commitment, self.group_id, self.size, sender)
         self._note(commitment)
         self._started.add(sender)
+        dtype = torch.float32 if self.compression == "none" else torch.uint8
+        length = _wire_length(self.size, self.compression, self.block_size)
         parts, count, message = [], 0, first
         while True:
             part = deserialize_torch_tensor(message.tensor_part)
-            if part.dtype != torch.float32 or part.ndim != 1:
-                raise ValueError(f"gradient chunk of {part.dtype} with {part.ndim} dims")
+            if part.dtype != dtype or part.ndim != 1:
+                raise ValueError(f"gradient chunk of {part.dtype} with {part.ndim} dims, expected {dtype} with 1")
             parts.append(part)
             count += part.numel()
-            if count >= self.size:
+            if count >= length:
                 break
             message = await anext(stream)
-        if count != self.size:
-            raise ValueError(f"sent {count} values, the round has {self.size}")
-        vector = torch.cat(parts)
-        if vector_hash(vector) != commitment.sha256:
-            raise ValueError("gradient does not match its signed hash")
+        if count != length:
+            raise ValueError(f"sent {count} elements, a gradient of the round takes {length}")
+        vector = unpack(parts, self.size, commitment.sha256, self.compression, self.block_size)
         self.received[sender], self.commitments[sender] = vector, commitment
         self._check_done()
 
@@ -238,19 +302,28 @@ class RobustRound:
         except Exception as e:
             logger.debug(f"sending to {peer} failed: {type(e).__name__}: {e}")
 
+    async def _pack(self, vector: torch.Tensor) -> Tuple[Commitment, Packed]:
+        """``vector`` serialized (and compressed) once, off the event loop, with its signed commitment."""
+        loop = asyncio.get_running_loop()
+        try:
+            packed = await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
+        except CompressionError as e:
+            raise IncompleteRound(f"this member's gradient cannot be sent in {self.compression}: {e}") from None
+        commitment = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.size, packed.sha256)
+        return commitment, packed
+
     async def _send_gradients(self) -> None:
-        own = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.vector)
+        own, packed = await self._pack(self.vector)  # the same bytes for every groupmate
         self._note(own)
         self.commitments[str(self.peer_id)] = own
-        loop = asyncio.get_running_loop()
-        own_chunks = await loop.run_in_executor(None, _chunks, self.vector)  # serialized once for every groupmate
+        self.contribution = packed.vector
         sends = []
         for index, peer in enumerate(self.others):
-            commitment, chunks = own, own_chunks
+            commitment, chunks = own, packed.chunks
             if self.send_override is not None:  # an emulated equivocator: another vector for some groupmates
                 vector = self.send_override(index, self.vector).to(torch.float32).contiguous()
-                commitment = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, vector)
-                chunks = await loop.run_in_executor(None, _chunks, vector)
+                commitment, other = await self._pack(vector)
+                chunks = other.chunks
             sends.append(self._send(peer, {"kind": "gradient", "commitment": commitment.to_dict()}, chunks))
         await asyncio.gather(*sends)
 
@@ -285,7 +358,7 @@ class RobustRound:
         if missing:
             raise IncompleteRound(f"most of the group holds gradients this member did not receive: {sorted(missing)}")
         contributions = {sender: vector for sender, vector in self.received.items() if sender in agreed}
-        contributions[me] = self.vector
+        contributions[me] = self.contribution
         claims = {sender: c.samples for sender, c in self.commitments.items()}
         aggregate = await asyncio.get_running_loop().run_in_executor(
             None, _aggregate_single_threaded, contributions, claims, self.config, set(self.banned),

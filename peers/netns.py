@@ -1,5 +1,9 @@
 """Hosts on one machine: network namespaces on a bridge, with addresses from 198.18.0.0/15.
 
+Used by the cross-host test (``tests/test_namespaces.py``) and the WAN benchmark (``benchmarks/wan.py``),
+which also limits each host's link with ``tc`` tbf (:meth:`Hosts.limit`): bandwidth only, since the
+netem qdisc (latency) is not available on every kernel.
+
 198.18.0.0/15 is the range set aside for network benchmarks (RFC 2544); go-multiaddr calls it
 unroutable, so libp2p's own routing keeps no addresses of it, exactly as for hosts on the internet
 that it cannot classify. Every name carries a random tag, so concurrent runs do not collide, and
@@ -16,7 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Sequence
 
-__all__ = ["Hosts", "NamespacesUnavailable", "namespaces_unavailable"]
+__all__ = ["Hosts", "NamespacesUnavailable", "namespaces_unavailable", "TBF_BURST_BYTES"]
+
+TBF_BURST_BYTES = 64 * 1024  # tbf bucket: a few packets' worth above the rate, as a home router allows
 
 
 class NamespacesUnavailable(RuntimeError):
@@ -32,10 +38,14 @@ def namespaces_unavailable() -> str:
     return ""
 
 
-def _ip(*args: str) -> None:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+def _run(command: Sequence[str]) -> None:
+    result = subprocess.run(list(command), capture_output=True, text=True, timeout=10)
     if result.returncode != 0:
-        raise NamespacesUnavailable(f"ip {' '.join(args)}: {result.stderr.strip()}")
+        raise NamespacesUnavailable(f"{' '.join(command)}: {result.stderr.strip()}")
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
 
 
 @dataclass
@@ -64,6 +74,25 @@ class Hosts:
     def prefix(self, host: int) -> Sequence[str]:
         """The command prefix that runs a process on ``host``."""
         return ["ip", "netns", "exec", self.namespaces[host]]
+
+    def inside(self, host: int) -> str:
+        """The name of ``host``'s interface, inside its namespace."""
+        return f"sw{self.tag}h{host}"
+
+    def limit(self, host: int, mbit: float) -> None:
+        """Limit ``host``'s link to ``mbit`` Mbit/s each way: tbf on its own interface (upload) and on the
+        bridge's end of its veth (download)."""
+        rate = ["rate", f"{mbit}mbit", "burst", str(TBF_BURST_BYTES), "latency", "200ms"]
+        _run(["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev", self.inside(host),
+              "root", "tbf", *rate])
+        _run(["tc", "qdisc", "replace", "dev", self.links[host], "root", "tbf", *rate])
+
+    def tx_bytes(self, host: int) -> int:
+        """Bytes ``host`` has sent on its link so far."""
+        result = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat",
+                                 f"/sys/class/net/{self.inside(host)}/statistics/tx_bytes"],
+                                capture_output=True, text=True, timeout=10)
+        return int(result.stdout.strip() or 0)
 
     def create(self) -> "Hosts":
         reason = namespaces_unavailable()
