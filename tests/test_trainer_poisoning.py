@@ -18,6 +18,7 @@ from swarm.policy.poisoning import (
 )
 from swarm.server.runner import StageRunner
 from tests.utils.probe import online
+from tests.utils.processes import wait_for_log_lines
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
 BATCH = 8
@@ -271,10 +272,12 @@ async def test_live_scaled_grad_outputs_are_clipped_and_the_attacker_named(launc
                                                              "--attack", "scaled_grad_outputs"])
     ids = {name: t.wait_event("trainer_done", timeout=50)["trainer_id"]
            for name, t in (("honest", honest), ("attacker", attacker))}
+    # a step's clips are logged when the replica freezes it, which may be a step after both trainers are done
+    warned = wait_for_log_lines(peers[0], lambda line: "[WARN" in line and "clipped micro-batches" in line
+                                and ids["attacker"] in line, timeout=40, what="warning naming the attacker")
+    assert warned
+    log = peers[0].log_path.read_text(errors="replace").splitlines()
+    assert not any("[WARN" in line and "clipped micro-batches" in line and ids["honest"] in line for line in log)
     records = await probe.wait_for(lambda r: any(x.step >= 1 for x in online(r, 0)), 30, "stage 0 to take a step")
-    log = peers[0].log_path.read_text(errors="replace")
-    warned = [line for line in log.splitlines() if "[WARN" in line and "clipped micro-batches" in line]
-    assert any(ids["attacker"] in line for line in warned), log[-3000:]
-    assert not any(ids["honest"] in line for line in warned)
     exported = await probe.call(online(records, 0)[0].peer_id, "parameters", {})
     assert all(bool(torch.isfinite(p).all()) for p in exported["parameters"])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
-from peers.launcher import REPO, RoleProcess
+from peers.launcher import REPO, RoleProcess, stop_all
 
-__all__ = ["Launcher", "REPO", "RoleProcess", "TINY_MODEL", "FAST_PEER"]
+__all__ = ["Launcher", "REPO", "RoleProcess", "TINY_MODEL", "FAST_PEER", "wait_for_log_lines"]
 
 # a model small enough that a 2-core machine runs several peers and trainers at once
 TINY_MODEL = ["--num_layers", "2", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "16"]
@@ -55,5 +56,21 @@ class Launcher:
         return self.start("train", args, name=name)
 
     def close(self) -> None:
-        for process in reversed(self.processes):
-            process.stop(timeout=15)
+        """Stop every role at once (each leaves gracefully in parallel, within one shared bound), then
+        kill whatever is left of their process groups."""
+        stop_all(list(reversed(self.processes)), timeout=15)
+
+
+def wait_for_log_lines(process: RoleProcess, predicate: Callable[[str], bool], timeout: float,
+                       what: str = "a log line") -> List[str]:
+    """The lines of ``process``'s log for which ``predicate`` holds, once there is at least one: a role logs
+    some decisions only when a later event (the next step, a retry) settles them, so a test polls for them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = [line for line in process.log_path.read_text(errors="replace").splitlines() if predicate(line)]
+        if lines or time.monotonic() >= deadline:
+            break
+        time.sleep(0.3)
+    if not lines:
+        raise TimeoutError(f"{process.name} logged no {what} within {timeout}s; log tail:\n{process.log_tail()}")
+    return lines
