@@ -1,8 +1,11 @@
 # Two commands for a newcomer: `make demo` and `make test`. Both build .venv first.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
-# The CPU build of torch; override with e.g. TORCH_SPEC="torch" on a CUDA machine.
+# The torch pin: pip takes whichever build its index serves for it (a CPU build where pip is configured for
+# one, as on this project's CI machines; from PyPI on Linux, a CUDA build). TORCH_INDEX picks the index,
+# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu for PyTorch's CPU build; TORCH_SPEC=torch for any version.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
 .PHONY: venv demo test bench clean
@@ -12,7 +15,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[test]"
 	touch $@
 

@@ -53,7 +53,7 @@ kept in ``--log_dir`` (a fresh temporary directory by default; its path is print
 Defaults (``--period_s 20 --events 4``, 2 peers per stage, 2 trainers) train 100 s per run and
 take about 4-6 minutes in all (both runs) on a 2-core machine (5m43s measured under load average 15,
 most of the excess in process start-ups). ``--period_s 60 --events 5``
-is the issue's "one peer killed and one started per minute" (about 13 minutes).
+is "one peer killed and one started per minute" (about 13 minutes).
 
 Usage: python benchmarks/churn.py [--period_s 20] [--events 4] [--no_baseline] [--log_dir DIR]
 """

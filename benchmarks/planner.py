@@ -4,7 +4,7 @@ Prints a table, then as its last line a JSON list with one object per scenario. 
 runs on its deterministic evaluation budget (stopping early at the proven lower bound); the
 paper's genetic algorithm gets a fixed wall-clock budget at least as long as ours took, same
 seed. ``lower_bound_s`` is a proven bound on the optimum of the paper's equal-group problem.
-Usage: python benchmarks/planner.py [--ga-budget 20] [--seed 0]
+Usage: python benchmarks/planner.py [--ga_budget 20] [--seed 0]
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def run_scenario(name: str, ga_budget_s: float, seed: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ga-budget", type=float, default=20.0, help="GA seconds (at least ours)")
+    p.add_argument("--ga_budget", type=float, default=20.0, help="GA seconds (at least ours)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     began = time.perf_counter()

@@ -26,11 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1024, help="global batch, sequences")
     p.add_argument("--stages", type=int, default=8, help="pipeline stages")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-budget", type=float, default=60.0,
+    p.add_argument("--time_budget", type=float, default=60.0,
                    help="wall-clock cap in seconds (the search and its proof usually end sooner)")
-    p.add_argument("--num-random", type=int, default=100, help="random placements averaged")
-    p.add_argument("--best-of", type=int, default=1000, help="K of the best-of-K baseline")
-    p.add_argument("--equal-groups", action="store_true", help="paper's formulation only: all devices, equal groups")
+    p.add_argument("--num_random", type=int, default=100, help="random placements averaged")
+    p.add_argument("--best_of", type=int, default=1000, help="K of the best-of-K baseline")
+    p.add_argument("--equal_groups", action="store_true", help="paper's formulation only: all devices, equal groups")
     p.add_argument("--genetic", action="store_true", help="also run the paper's genetic search for the same budget")
     p.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
     return p

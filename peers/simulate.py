@@ -24,16 +24,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hours", type=float, default=d.hours, help="simulated hours")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds hardware, churn, routing, jitter")
     p.add_argument("--throughputs", type=_floats, default=(), help="comma list of compute samples/s, cycled over peers")
-    p.add_argument("--lifetime-h", type=float, default=d.mean_lifetime_h, help="mean hours until preemption")
-    p.add_argument("--join-rate-per-h", type=float, default=None, help="joins per hour (default: steady state)")
-    p.add_argument("--crash-fraction", type=float, default=d.crash_fraction, help="preemptions without notice")
+    p.add_argument("--lifetime_h", type=float, default=d.mean_lifetime_h, help="mean hours until preemption")
+    p.add_argument("--join_rate_per_h", type=float, default=None, help="joins per hour (default: steady state)")
+    p.add_argument("--crash_fraction", type=float, default=d.crash_fraction, help="preemptions without notice")
     p.add_argument("--trainers", type=int, default=d.num_trainers, help="number of trainers")
     p.add_argument("--trace", default=None, help="churn trace CSV: time_s,event,peer_id[,compute]")
     r = DEFAULT_SIM_REBALANCE
-    p.add_argument("--period-s", type=float, default=r.period_s, help="mean seconds between rebalancing decisions")
-    p.add_argument("--min-gain", type=float, default=r.min_gain, help="relative gain a move must clear")
-    p.add_argument("--max-movers", type=int, default=r.max_movers_per_period, help="movers per period")
-    p.add_argument("--static-join", choices=JOIN_POLICY_NAMES, default=d.static_join_policy,
+    p.add_argument("--period_s", type=float, default=r.period_s, help="mean seconds between rebalancing decisions")
+    p.add_argument("--min_gain", type=float, default=r.min_gain, help="relative gain a move must clear")
+    p.add_argument("--max_movers", type=int, default=r.max_movers_per_period, help="movers per period")
+    p.add_argument("--static_join", choices=JOIN_POLICY_NAMES, default=d.static_join_policy,
                    help="how joining peers choose a stage in the baseline run without rebalancing: 'random' = "
                         "uniformly, no load awareness (the SWARM paper's baseline); 'auto' = the live --stage auto "
                         "policy (the rebalanced run always uses it)")

@@ -1,4 +1,4 @@
-"""Churn (issue 3): graceful leave, rejoin with state download, restore from checkpoint, rebalancing."""
+"""Churn: graceful leave, rejoin with state download, restore from checkpoint, rebalancing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Twin types, count-matrix costs and lower bounds of swarm.planner (issue 4)."""
+"""Twin types, count-matrix costs and lower bounds of swarm.planner."""
 
 from itertools import permutations
 

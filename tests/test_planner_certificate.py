@@ -1,4 +1,4 @@
-"""The optimality certificate of swarm.planner (issue 4): sound on brute-forced networks, and
+"""The optimality certificate of swarm.planner: sound on brute-forced networks, and
 it proves the regional optimum (which the paper's GA also reaches) and the world-wide one."""
 
 from itertools import permutations

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FAST = ["--time-budget", "1", "--num-random", "5", "--best-of", "10"]
+FAST = ["--time_budget", "1", "--num_random", "5", "--best_of", "10"]
 
 
 def _plan(*args):

@@ -137,4 +137,4 @@ def test_scenarios_and_calibration():
     rng = np.random.default_rng(0)
     fast = FastCost(model)
     mean = np.mean([fast.total(rng.permutation(64).reshape(8, 8)) for _ in range(40)])
-    assert 80 < mean < 105  # the paper-scale figure quoted in issue 4 is ~91 s
+    assert 80 < mean < 105  # the paper-scale random-placement figure is ~91 s

@@ -176,7 +176,7 @@ def test_cli_prints_json_last_line():
     assert summary["join_policy_static"] == "random"
     auto = subprocess.run(
         [sys.executable, "-m", "peers.cli", "simulate", "--peers", "40", "--stages", "3", "--hours", "0.5",
-         "--static-join", "auto", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+         "--static_join", "auto", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert auto.returncode == 0, auto.stderr
     assert json.loads(auto.stdout.strip().splitlines()[-1])["join_policy_static"] == "auto"
     bad = subprocess.run([sys.executable, "-m", "peers.cli", "simulate", "--stages", "0"], cwd=ROOT,

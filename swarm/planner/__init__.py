@@ -1,4 +1,4 @@
-"""Network-aware allocation of pipeline stages and data-parallel groups (issue 4).
+"""Network-aware allocation of pipeline stages and data-parallel groups.
 
 Pure library (numpy/scipy, no I/O beyond its packaged data): the cost model of Yuan et al.,
 NeurIPS 2022, with per-device compute and unequal groups as extensions; the paper's five

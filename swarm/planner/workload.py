@@ -13,12 +13,12 @@ from typing import Optional
 __all__ = ["Workload", "PAPER_PP_BYTES", "PAPER_NUM_PARAMS"]
 
 # c_pp of the paper's workload (global batch 1024 over 8 replicas, hidden 2048, sequence 2048,
-# fp16 activations), as quoted in issue 4 (~0.48 GB; it reproduces the paper's random-placement
+# fp16 activations), as the planner's specification gives it (~0.48 GB; it reproduces the paper's random-placement
 # figures). Other shapes scale it linearly in sequences per replica, hidden size and sequence length.
 PAPER_PP_BYTES = 0.48e9
 _PAPER_SEQUENCES_PER_REPLICA = 1024 / 8
-# The issue quotes "1.3 B parameters ... c_dp ~ 0.65 GB per stage" (4 bytes x 1.3e9 / 8): the
-# exact GPT-3 XL count (12 L h^2 + V h = 1.311e9) would give 0.655 GB, 0.8% off the issue's
+# The specification gives "1.3 B parameters ... c_dp ~ 0.65 GB per stage" (4 bytes x 1.3e9 / 8): the
+# exact GPT-3 XL count (12 L h^2 + V h = 1.311e9) would give 0.655 GB, 0.8% off the specification's
 # model. Other shapes scale the quoted count by their exact parameter ratio.
 PAPER_NUM_PARAMS = 1.3e9
 _GRADIENT_BYTES = 4  # fp32 gradients, as in the paper

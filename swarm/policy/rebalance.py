@@ -40,7 +40,7 @@ from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
     "RebalanceConfig", "stage_capacities", "choose_stage_for_new_peer", "plan_moves",
-    "decide_move", "next_period_s", "estimated_throughputs", "swarm_throughput", "apply_moves",
+    "decide_move", "next_period_s", "swarm_throughput", "apply_moves",
     "settle_join_choice",
 ]
 
@@ -84,13 +84,6 @@ def _fill_value(peers: Sequence[PeerInfo], default_s: float = 0.0) -> float:
     if count:
         return total / count
     return default_s if default_s > 0 else 1.0
-
-
-def estimated_throughputs(peers: Sequence[PeerInfo], default_s: float = 0.0) -> Dict[str, float]:
-    """Throughput each non-leaving peer is expected to contribute (see the module notes)."""
-    fill = _fill_value(peers, default_s)
-    return {peer.peer_id: (peer.throughput if peer.throughput > 0 else fill)
-            for peer in peers if peer.state != "leaving"}
 
 
 def stage_capacities(peers: Sequence[PeerInfo], num_stages: int) -> list[float]:

@@ -14,7 +14,7 @@ JOIN_POLICY_NAMES = ("auto", "random")  # see static_join_policy
 
 # A simulated swarm of 1,000 peers has ~125 per stage, so one move changes a stage by <1%:
 # the live default min_gain (5%) forbids every move (0 moves in 24 simulated hours with
-# --min-gain 0.05). 0.1% still prevents flapping: every accepted move strictly improves the
+# --min_gain 0.05). 0.1% still prevents flapping: every accepted move strictly improves the
 # sorted stage capacities.
 DEFAULT_SIM_REBALANCE = RebalanceConfig(period_s=300.0, period_jitter=0.2, min_gain=0.001, max_movers_per_period=1)
 

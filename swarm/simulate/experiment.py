@@ -1,4 +1,4 @@
-"""The experiment of issue 3: the same churn with and without rebalancing, against the optimum."""
+"""The rebalancing experiment: the same churn with and without rebalancing, against the optimum."""
 
 from __future__ import annotations
 
