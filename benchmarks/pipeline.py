@@ -1,8 +1,8 @@
 """Pipeline benchmark: one process vs a 2-stage swarm on loopback, and where the time goes.
 
 Why: a SWARM pipeline pays only if what it adds per micro-batch (serialization, the p2pd
-hops, waiting for the other stage, the recomputation of stateless backward) is small next
-to the compute it spreads over machines. This script measures each of those on the same
+hops, waiting for the other stage, the recomputation of a backward that finds no cached forward)
+is small next to the compute it spreads over machines. This script measures each of those on the same
 model and data, and prints a breakdown, then one JSON line as its last line.
 
 What runs (every process limited to one torch thread; every address is 127.0.0.1):
@@ -24,8 +24,12 @@ seconds from the start of the window to the completion of its last micro-batch.
 The breakdown, per micro-batch of the benchmark's shape:
   compute         median CPU time of the StageRunner calls the peers run, timed in this process
                   with one thread (CPU time, so that other load on the machine does not inflate
-                  it): stage 0 forward, stage 1 forward+backward, stage 0 backward (which
-                  recomputes stage 0's forward: backward is stateless).
+                  it): stage 0 training forward (which keeps its graph), stage 1 forward+backward,
+                  stage 0 backward from that graph (a cache hit: no recomputation). A backward
+                  that misses the cache (another replica, an evicted entry, a step in between)
+                  recomputes stage 0's forward: 'stage 0 backward (recomputing)' shows its cost.
+  cache           the stage-0 peer's forward cache during the phase: hits (backward passes that
+                  reused their forward's graph) and recomputations (backward passes that did not).
   serialization   swarm.wire.encode + decode of the six messages of one micro-batch (three
                   calls, a request and a reply each), timed in this process.
   transfer        each of those three calls replayed one at a time on the idle swarm:
@@ -85,6 +89,7 @@ from swarm.server.runner import StageRunner  # noqa: E402
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TRAINER_SEED = 1  # the single process draws the same samples as the trainer
 CALLS = ("forward0", "backward1", "backward0")  # the three calls of one micro-batch, in order
+CACHE_BYTES = 512 * 2**20  # the peers' default --forward_cache_mb
 
 
 def parse_args() -> argparse.Namespace:
@@ -129,19 +134,34 @@ class Tensors:
 def measure_compute(run: RunConfig, tokens: torch.Tensor, targets: torch.Tensor, reps: int
                     ) -> Tuple[Dict[str, float], Tensors]:
     """Median ms of each StageRunner call of one micro-batch, plus an optimizer step per stage."""
-    first, last = StageRunner(run, 0), StageRunner(run, 1)
+    first, last = StageRunner(run, 0, forward_cache_bytes=CACHE_BYTES), StageRunner(run, 1)
     hidden = first.forward(tokens)
     grad, _, _ = last.backward("warm-up", hidden, None, targets)
     first.backward("warm-up", tokens, grad)
     ids = iter(range(10**9))
     compute = {
-        "forward0": median_ms(lambda: first.forward(tokens), reps),
+        "forward0": median_ms(lambda: first.forward_train(f"f{next(ids)}", tokens), reps),
         "forward1": median_ms(lambda: last.forward(hidden, targets), reps),
         "backward1": median_ms(lambda: last.backward(f"b{next(ids)}", hidden, None, targets), reps),
-        "backward0": median_ms(lambda: first.backward(f"b{next(ids)}", tokens, grad), reps),
+        "backward0": cached_backward_ms(first, tokens, grad, reps),
+        "backward0_recomputing": median_ms(lambda: first.backward(f"b{next(ids)}", tokens, grad), reps),
     }
+    first.drop_cached_forwards()
     compute["optimizer_step"] = sum(median_ms(lambda: _step(runner), 1) for runner in (first, last))
     return compute, Tensors(tokens, targets, hidden, grad)
+
+
+def cached_backward_ms(runner: StageRunner, tokens: torch.Tensor, grad: torch.Tensor, reps: int) -> float:
+    """Median CPU ms of a stage-0 backward that finds its forward's graph (the forward runs off the clock)."""
+    times = []
+    for rep in range(reps):
+        runner.forward_train(f"cached{rep}", tokens)
+        start = time.thread_time()
+        runner.backward(f"cached{rep}", tokens, grad)
+        times.append((time.thread_time() - start) * 1000)
+    if runner.forward_cache.hits < reps:
+        raise RuntimeError("the benchmark's cached backward recomputed its forward: the figure would be wrong")
+    return statistics.median(times)
 
 
 def _step(runner: StageRunner) -> None:
@@ -152,7 +172,7 @@ def _step(runner: StageRunner) -> None:
 def call_messages(t: Tensors) -> Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]]:
     """(request, reply) of each call, as swarm.client.pipeline and the peers build them."""
     return {
-        "forward0": ({"inputs": t.tokens, "stage": 0}, {"outputs": t.hidden}),
+        "forward0": ({"micro_batch_id": "x:0", "inputs": t.tokens, "stage": 0}, {"outputs": t.hidden}),
         "backward1": ({"micro_batch_id": "x:0", "inputs": t.hidden, "targets": t.targets, "stage": 1},
                       {"step": 0, "grad_inputs": t.grad, "loss": 5.0}),
         "backward0": ({"micro_batch_id": "x:0", "inputs": t.tokens, "grad_outputs": t.grad, "stage": 0},
@@ -221,9 +241,9 @@ class CallLog:
         self.steps: List[Tuple[float, float]] = []  # (start, end) perf_counter of each micro-batch
         call_stage, train_step = client.call_stage, client.train_step
 
-        async def timed_call(stage: int, method: str, message: Dict[str, Any], timeout: float):
+        async def timed_call(stage: int, method: str, message: Dict[str, Any], timeout: float, **kwargs: Any):
             start = time.perf_counter()
-            reply = await call_stage(stage, method, message, timeout)
+            reply = await call_stage(stage, method, message, timeout, **kwargs)
             self.calls.append((f"{method}{stage}", (time.perf_counter() - start) * 1000))
             return reply
 
@@ -315,7 +335,8 @@ async def probe_rpc(trainer: Trainer, peers: Dict[int, str], messages: Dict[str,
             method = name if name == "info" else name[:-1]
             message = {} if name == "info" else dict(messages[name][0])
             if "micro_batch_id" in message:
-                message["micro_batch_id"] = f"{trainer.trainer_id}:probe:{name}:{rep}"  # ids belong to their sender
+                # ids belong to their sender; one id per round, so that stage 0's backward finds its forward's graph
+                message["micro_batch_id"] = f"{trainer.trainer_id}:probe:{rep}"
             elapsed = await time_call(trainer, peers[stage], method, message)
             if rep:
                 times[name].append(elapsed)
@@ -337,12 +358,23 @@ async def measure_swarm(run: RunConfig, args: argparse.Namespace, swarm: Swarm, 
                  "bootstrap": swarm.processes[0].pid, "trainer": os.getpid()}
         phases = []
         for in_flight in (int(k) for k in args.in_flight.split(",")):
+            before = await peer_info(trainer, peers)
             phases.append(await measure_phase(trainer, log, in_flight, args.samples, roles))
             phases[-1]["peer_info"] = await peer_info(trainer, peers)
+            phases[-1]["cache"] = cache_counts(before[0], phases[-1]["peer_info"][0])
         probe = await probe_rpc(trainer, peers, messages, args.reps)
         return {"phases": phases, "probe": probe}
     finally:
         trainer.shutdown()
+
+
+def cache_counts(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, int]:
+    """What the stage-0 peer's compute did between two 'info' replies (warm-up included): backward passes
+    that reused their forward's graph, those that recomputed it, and entries evicted or invalidated."""
+    def count(info: Dict[str, Any], key: str) -> int:
+        compute = info.get("compute", {})
+        return int(compute.get(key, compute.get("forward_cache", {}).get(key, 0)))
+    return {key: count(after, key) - count(before, key) for key in ("hits", "recomputed", "evicted", "invalidated")}
 
 
 # ---- report ----
@@ -371,24 +403,27 @@ def print_local(run: RunConfig, args: argparse.Namespace, compute: Dict[str, flo
           f"micro-batch {args.batch_size} ({args.batch_size * m.seq_len} tokens); {args.samples} samples per "
           f"measured window after a warm-up; target_batch_size {run.target_batch_size}")
     print("compute per micro-batch (StageRunner in this process, 1 thread, median CPU time):")
-    print(f"  stage 0 forward                  {compute['forward0']:8.1f} ms")
-    print(f"  stage 0 backward (+ recompute)   {compute['backward0']:8.1f} ms")
+    print(f"  stage 0 forward (keeps its graph){compute['forward0']:8.1f} ms")
+    print(f"  stage 0 backward (cache hit)     {compute['backward0']:8.1f} ms")
+    print(f"  stage 0 backward (recomputing)   {compute['backward0_recomputing']:8.1f} ms (a cache miss)")
     print(f"  stage 1 forward+backward         {compute['backward1']:8.1f} ms")
     print(f"  stage 1 forward only             {compute['forward1']:8.1f} ms")
     print(f"  optimizer step, both stages      {compute['optimizer_step']:8.1f} ms (not in any measured window)")
-    print(f"pipeline bound with zero overhead: (stage 0 backward + stage 1 forward+backward) / max(stage 0 "
+    print(f"pipeline bound with zero overhead: (stage 0 forward+backward + stage 1 forward+backward) / max(stage 0 "
           f"{compute['forward0'] + compute['backward0']:.0f}, stage 1 {compute['backward1']:.0f} ms) = "
-          f"{pipeline_bound(compute):.2f}, not 2.0: stage 0 runs its forward twice (stateless backward)")
+          f"{pipeline_bound(compute):.2f} with cache hits ({pipeline_bound(compute, hits=False):.2f} if every backward "
+          f"recomputed its forward)")
     print(f"serialization per micro-batch (encode+decode of 6 messages, 4 of them carry an activation of "
           f"{activation_bytes / 2**20:.2f} MiB): {sum(ser[c] for c in CALLS):.1f} ms")
 
 
-def pipeline_bound(compute: Dict[str, float]) -> float:
+def pipeline_bound(compute: Dict[str, float], hits: bool = True) -> float:
     """Best swarm/single ratio of a 2-stage pipeline with free communication, from local timings only:
-    one process runs stage 0's backward (its forward included) and stage 1's forward+backward; the
-    pipeline runs as fast as its slower stage, and stage 0 also runs the forward pass once more."""
-    single = compute["backward0"] + compute["backward1"]
-    return single / max(compute["forward0"] + compute["backward0"], compute["backward1"])
+    one process runs stage 0's forward and backward and stage 1's forward+backward; the pipeline runs
+    as fast as its slower stage. Without cache ``hits`` stage 0's backward also recomputes its forward."""
+    single = compute["forward0"] + compute["backward0"] + compute["backward1"]
+    stage0 = compute["forward0"] + compute["backward0" if hits else "backward0_recomputing"]
+    return single / max(stage0, compute["backward1"])
 
 
 def print_single(single: Dict[str, float]) -> None:
@@ -416,6 +451,10 @@ def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str
     calls = ", ".join(f"{name} {phase['calls_ms'].get(name, float('nan')):.0f}" for name in CALLS)
     print(f"  mean call ms: {calls}")
     print(f"  latency {phase['latency_ms']:.0f} ms = " + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()))
+    cache = phase["cache"]
+    print(f"  stage 0 forward cache: {cache['hits']} backward passes reused their forward's graph, "
+          f"{cache['recomputed']} recomputed it ({cache['evicted']} entries evicted, {cache['invalidated']} "
+          f"invalidated by a step)")
     for stage, info in phase["peer_info"].items():
         rate = info["throughput"] or float("nan")
         print(f"  stage {stage}: the peer's own compute EMA {batch / rate * 1000:.0f} ms per micro-batch, "
@@ -492,7 +531,10 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         by_in_flight[str(phase["in_flight"])] = {
             "tokens_per_s": round(phase["tokens_per_s"], 1), "ratio": round(phase["tokens_per_s"] / single["tokens_per_s"], 3),
             "latency_ms": round(phase["latency_ms"], 1), **{f"{k}_ms": round(v, 1) for k, v in parts.items()},
-            "failed_micro_batches": phase["failed"], "machine_cores_busy": round(phase["cores_busy"]["machine"], 2)}
+            "failed_micro_batches": phase["failed"], "machine_cores_busy": round(phase["cores_busy"]["machine"], 2),
+            "cpu_ms_per_micro_batch": round(1000 * sum(v for k, v in phase["cpu_s_per_micro_batch"].items()
+                                                       if k != "machine"), 1),
+            "stage0_cache": phase["cache"]}
     main_phase = by_in_flight.get("4", list(by_in_flight.values())[-1])
     print(f"wall time {wall_s:.0f} s")
     print(json.dumps({
@@ -505,6 +547,8 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         "rpc_overhead_ms_median": round(median["forward1"] - compute["forward1"], 1),
         "rpc_info_ms": round(probe["mean"]["info"], 1),
         "pipeline_bound_ratio": round(pipeline_bound(compute), 3),
+        "pipeline_bound_ratio_recomputing": round(pipeline_bound(compute, hits=False), 3),
+        "single_cpu_ms_per_micro_batch": round(single["cpu_ms_per_micro_batch"], 1),
         "single_machine_cores_busy": round(single["machine_cores_busy"], 2),
         "single_tokens_per_s_before_after": [round(v, 1) for v in single["tokens_per_s_before_after"]],
         "model": dataclasses.asdict(run.model), "batch_size": args.batch_size, "samples": args.samples,

@@ -103,6 +103,7 @@ class PeerConfig:
     state_download_timeout_s: float = 60.0  # seconds to download a stage's state from a replica
     overlap_averaging: bool = False  # keep computing the next step's gradients while a step is averaged: faster, but those gradients are one step stale
     max_batch_samples: int = 512  # largest request (samples) this peer accepts
+    forward_cache_mb: float = 512.0  # MiB of training forwards' autograd state kept so that their backward skips recomputing the forward (oldest dropped first; 0 = always recompute)
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
     max_requests_per_caller: int = 64  # requests one caller may have in flight at this peer; more are answered 'busy'
     max_mb_per_caller: float = 256.0  # MiB of requests one caller may have in flight at this peer (at least max_message_mb)
@@ -134,6 +135,8 @@ class PeerConfig:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
         if not self.delay_per_sample_s >= 0.0:
             raise ValueError(f"delay_per_sample_s must be >= 0, got {self.delay_per_sample_s!r}")
+        if not 0.0 <= self.forward_cache_mb < float("inf"):
+            raise ValueError(f"forward_cache_mb must be a finite number >= 0, got {self.forward_cache_mb!r}")
         if self.max_mb_per_caller < self.max_message_mb:
             raise ValueError(f"max_mb_per_caller ({self.max_mb_per_caller}) must be at least max_message_mb "
                              f"({self.max_message_mb})")

@@ -19,7 +19,9 @@ Kinds of :class:`RemoteError` (what the caller should do about it):
 - ``unavailable``: the server is joining or leaving; try another replica.
 - ``internal``: the server failed unexpectedly (a bug there); try another replica.
 - ``wrong_stage``: the server serves another stage; the caller's view of the swarm is stale.
-- ``use_stream``: the reply is too large for a unary call; repeat the call as a stream.
+- ``use_stream``: the reply is too large for a unary call; repeat the call as a stream. Callers that
+  know how large a valid reply is (``expected_reply_bytes`` of :func:`call_peer`) stream such calls
+  from the start, so that the server never computes a reply only to throw it away.
 - ``busy``: the caller has too many requests or bytes in flight at this server; try another
   replica now and this one again soon (it is not misbehaving).
 - ``unauthorized``: the server does not serve this caller.
@@ -43,13 +45,15 @@ from swarm.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_
 from swarm.reach import dialer_for, is_routing_failure
 from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode_parts, encode, payload_size_hint
 
-__all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE"]
+__all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE",
+           "UNARY_REPLY_LIMIT_BYTES", "fits_unary_reply"]
 
 logger = get_logger(__name__)
 NAMESPACE = "swarm"
 STREAM_THRESHOLD_BYTES = 2 * 2**20  # unary below this, chunked stream above (p2pd caps unary at 4 MiB)
 CHUNK_BYTES = 2 * 2**20
 UNARY_REPLY_LIMIT_BYTES = 3 * 2**20 + 2**19
+REPLY_ENVELOPE_BYTES = 64 * 2**10  # what a reply may add to its tensors (keys, shapes, a step, a digest)
 DRAIN_LIMIT_FACTOR = 4  # an oversized request is read (and dropped) up to this many times the limit
 OFF_LOOP_BYTES = 256 * 2**10  # payloads above this are (de)serialized on the codec threads
 CODEC_THREADS = 2
@@ -68,6 +72,12 @@ class RemoteError(RuntimeError):
     def __init__(self, message: str, kind: str = "internal"):
         super().__init__(message)
         self.kind = kind
+
+
+def fits_unary_reply(expected_reply_bytes: int) -> bool:
+    """Whether a reply of about ``expected_reply_bytes`` (its tensors, encoded) can come back in a unary call;
+    :data:`REPLY_ENVELOPE_BYTES` leaves room for the keys and msgpack framing around them."""
+    return expected_reply_bytes + REPLY_ENVELOPE_BYTES <= UNARY_REPLY_LIMIT_BYTES
 
 
 def _chunks(payload: bytes) -> List[bytes]:
@@ -336,8 +346,13 @@ async def _encode_request(message: Mapping[str, Any], compression: str, block_si
 async def call_peer(
     p2p: P2P, peer_id: PeerID, method: str, message: Mapping[str, Any], *, timeout: float, stream: bool = False,
     max_reply_bytes: int = MAX_MESSAGE_BYTES, compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE,
+    expected_reply_bytes: int = 0,
 ) -> Dict[str, Any]:
     """Call ``method`` on ``peer_id`` and return its decoded reply, within ``timeout`` seconds.
+
+    A call whose request is large, or whose reply is expected to take ``expected_reply_bytes`` (encoded)
+    or more than :func:`fits_unary_reply` allows, goes as a stream; otherwise unary, and repeated as a
+    stream only if the server answers 'use_stream' (its reply turned out larger than expected).
 
     With ``compression`` ``"fp16"`` or ``"int8"`` the request's float tensors travel compressed
     (blocks of ``block_size`` values for int8); the reply is whatever the peer sends, decoded.
@@ -368,7 +383,7 @@ async def call_peer(
         return await _send(payload)
 
     async def _send(payload: bytes) -> Dict[str, Any]:
-        if stream or len(payload) > STREAM_THRESHOLD_BYTES:
+        if stream or len(payload) > STREAM_THRESHOLD_BYTES or not fits_unary_reply(expected_reply_bytes):
             reply = await _reply(await _call_stream(stub, method, payload, max_reply_bytes))
         else:
             reply = await _reply(await _call_unary(stub, method, payload, max_reply_bytes))

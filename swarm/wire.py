@@ -53,11 +53,21 @@ class WireError(ValueError):
 
 
 def pack_tensor(tensor: torch.Tensor) -> Dict[str, Any]:
+    """The wire form of a tensor, holding a copy of its bytes (safe to keep after the tensor changes)."""
+    packed = _pack_tensor_view(tensor)
+    packed["data"] = bytes(packed["data"])
+    return packed
+
+
+def _pack_tensor_view(tensor: torch.Tensor) -> Dict[str, Any]:
+    """The wire form of a tensor whose data is a read-only view of the tensor's memory, not a copy: for
+    :func:`encode`, which serializes it at once (the view keeps the memory alive meanwhile)."""
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype not in _NAMES:
         raise WireError(f"dtype {tensor.dtype} cannot be sent; supported: {sorted(_DTYPES)}")
     raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-    return {_TENSOR_TAG: True, "dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data": raw.numpy().tobytes()}
+    data = memoryview(raw.numpy()).cast("B").toreadonly() if raw.numel() else b""
+    return {_TENSOR_TAG: True, "dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data": data}
 
 
 def _num_elements(shape: Any) -> int:
@@ -128,7 +138,7 @@ def _compresses(tensor: torch.Tensor, codec: str) -> bool:
 
 def _to_wire(obj: Any, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Any:
     if isinstance(obj, torch.Tensor):
-        return pack_compressed(compress(obj, codec, block_size)) if _compresses(obj, codec) else pack_tensor(obj)
+        return pack_compressed(compress(obj, codec, block_size)) if _compresses(obj, codec) else _pack_tensor_view(obj)
     if isinstance(obj, Compressed):
         return pack_compressed(obj)
     if isinstance(obj, Mapping):

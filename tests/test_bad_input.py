@@ -62,6 +62,9 @@ BAD_REQUESTS = {
     "sequence too long": (0, {"inputs": torch.randint(0, 256, (2, SEQ + 1))}, "sequence length"),
     "batch too large": (0, {"inputs": tokens(33)}, "exceeds this peer's limit"),
     "not a tensor": (0, {"inputs": [1, 2, 3]}, "inputs must be a torch.Tensor"),
+    "someone else's micro-batch id": (0, {"inputs": tokens(), "micro_batch_id": "12D3KooWvictim:7"},
+                                      "does not belong to the caller"),
+    "micro-batch id not a string": (0, {"inputs": tokens(), "micro_batch_id": 7}, "micro_batch_id must be"),
 }
 
 

@@ -1,7 +1,9 @@
-"""A micro-batch through remote stages computes exactly what the local model computes."""
+"""A micro-batch through remote stages computes exactly what the local model computes, whether stage 0's
+backward reuses the graph of its training forward (a cache hit) or recomputes it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from swarm.model import FullModel, ModelConfig
@@ -10,7 +12,8 @@ from tests.utils.probe import online
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
 
 
-async def test_remote_pipeline_matches_local_model(launcher, probe):
+@pytest.mark.parametrize("cached", [True, False], ids=["cache_hit", "recomputed"])
+async def test_remote_pipeline_matches_local_model(launcher, probe, cached):
     for stage in (0, 1):
         launcher.peer(stage, target_batch_size=10_000)  # no global step during the test
     records = await probe.wait_for(lambda r: all(online(r, s) for s in (0, 1)), 30, "both stages online")
@@ -25,7 +28,8 @@ async def test_remote_pipeline_matches_local_model(launcher, probe):
     loss = local.stages[1](hidden, targets)
     loss.backward()
 
-    remote_hidden = (await probe.call(first, "forward", {"stage": 0, "inputs": tokens}))["outputs"]
+    forward = {"stage": 0, "inputs": tokens, **({"micro_batch_id": f"{probe.peer_id}:m0"} if cached else {})}
+    remote_hidden = (await probe.call(first, "forward", forward))["outputs"]
     torch.testing.assert_close(remote_hidden, hidden.detach(), atol=1e-5, rtol=0)
     reply = await probe.call(last, "backward", {"stage": 1, "micro_batch_id": f"{probe.peer_id}:m0", "inputs": remote_hidden,
                                                   "targets": targets})
@@ -41,3 +45,6 @@ async def test_remote_pipeline_matches_local_model(launcher, probe):
         assert len(exported["gradients"]) == len(local_grads)
         for remote_grad, local_grad in zip(exported["gradients"], local_grads):
             torch.testing.assert_close(remote_grad, local_grad, atol=1e-5, rtol=0)
+    compute = (await probe.call(first, "info", {}))["compute"]
+    assert compute["forward_cache"]["hits"] == int(cached)
+    assert compute["recomputed"] == 1 - int(cached) and compute["forwards"] == 2 - int(cached)

@@ -30,7 +30,7 @@ def no_sleep(monkeypatch):
 async def test_lower_stage_backward_is_retried(no_sleep):
     client, failures = _client(), [StageUnavailable("stage 0 empty"), StageUnavailable("stage 0 moving")]
 
-    async def flaky(item, resend=False):
+    async def flaky(item, resend=False, prefer=None):
         if failures:
             raise failures.pop(0)
         return {"step": 3}
@@ -43,7 +43,7 @@ async def test_lower_stage_backward_is_retried(no_sleep):
 async def test_lower_stage_backward_gives_up_after_its_rounds(no_sleep):
     client, calls = _client(), []
 
-    async def dead(item, resend=False):
+    async def dead(item, resend=False, prefer=None):
         calls.append(item.stage)
         raise StageUnavailable("stage 0 has no replicas")
 
@@ -56,7 +56,7 @@ async def test_lower_stage_backward_gives_up_after_its_rounds(no_sleep):
 async def test_lower_stage_backward_is_not_retried_when_refused(no_sleep):
     client, calls = _client(), []
 
-    async def refused(item, resend=False):
+    async def refused(item, resend=False, prefer=None):
         calls.append(item.stage)
         raise Unauthorized("not in the allowlist")
 

@@ -296,3 +296,36 @@ async def test_the_worker_stops_on_cancellation():
 def test_micro_batch_ids_start_at_a_random_offset_per_trainer():
     firsts = {next(_trainer(max_samples=8)._ids) for _ in range(4)}
     assert len(firsts) == 4 and all(0 <= n < 2**64 for n in firsts)
+
+
+async def test_a_stage_backward_goes_back_to_the_replica_that_ran_its_forward(monkeypatch, no_sleep):
+    first = [pid("first1"), pid("first2"), pid("first3")]
+    snapshot = [PeerInfo(p, 0, throughput=1.0) for p in first] + [PeerInfo(pid("last"), 1)]
+    fake = FakeSwarm(2, errors={})
+    monkeypatch.setattr(pipeline, "call_peer", fake)
+    client = make_client(snapshot, 2)
+    used = set()
+    for n in range(12):
+        fake.calls.clear()
+        await client.train_step(f"t:{n}", *tokens())
+        stage0 = [(peer, method) for peer, method, stage in fake.calls if stage == 0]
+        assert [m for _, m in stage0] == ["forward", "backward"] and stage0[0][0] == stage0[1][0], fake.calls
+        used.add(stage0[0][0])
+    assert len(used) > 1, "forwards are still spread over the replicas by throughput"
+
+    # the replica that ran the forward dies before the backward: it goes to another replica
+    dead = {}
+
+    async def dies_after_forward(p2p, peer_id, method, message, *, timeout, **kwargs):
+        if method == "forward" and message["stage"] == 0 and not dead:
+            dead[peer_id.to_base58()] = True
+        elif peer_id.to_base58() in dead:
+            raise ConnectionError("peer is gone")
+        return await fake(p2p, peer_id, method, message, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(pipeline, "call_peer", dies_after_forward)
+    fake.calls.clear()
+    await client.train_step("t:dead", *tokens())
+    (gone,) = dead
+    backward0 = [peer for peer, method, stage in fake.calls if stage == 0 and method == "backward"]
+    assert backward0 and gone not in backward0

@@ -6,7 +6,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from swarm.policy.routing import NoPeerAvailable, Router, cap_announced, effective_throughputs, routing_weights
+from swarm.policy.routing import (NoPeerAvailable, Router, cap_announced, effective_throughputs, preferred_replica,
+                                  routing_weights)
 from swarm.policy.snapshot import PeerInfo
 
 
@@ -207,3 +208,15 @@ def test_a_fixed_ban_sets_a_peer_aside_without_counting_a_failure():
     assert router.ban("busy", now=1.0) == 1.0  # its first real failure still starts the backoff at the base
     with pytest.raises(ValueError, match="duration_s"):
         router.ban("busy", 0.0, duration_s=-1.0)
+
+
+def test_a_preferred_replica_is_taken_while_eligible_and_drawn_around_otherwise():
+    peers = _peers([1.0, 1.0, 100.0])
+    router = Router(seed=0)
+    assert preferred_replica(peers, "p0").peer_id == "p0"
+    assert preferred_replica(peers, "gone") is None and preferred_replica(peers, None) is None
+    assert {router.choose(peers, 0.0, prefer="p0").peer_id for _ in range(50)} == {"p0"}, "preferred over faster ones"
+    router.ban("p0", 0.0)  # banned (or dead: not in the snapshot) -> drawn among the others as usual
+    assert Counter(router.choose(peers, 0.1, prefer="p0").peer_id for _ in range(200))["p0"] == 0
+    assert Counter(router.choose(peers[1:], 0.1, prefer="p0").peer_id for _ in range(200))["p2"] > 150
+    assert router.choose(peers, 10**6, exclude=["p1"], prefer="p1").peer_id != "p1", "a failed try is not preferred"

@@ -2,7 +2,9 @@
 
 The trainer relays activations between stages (as in SWARM): it sends stage k's output to a
 replica of stage k+1 chosen by throughput-weighted stochastic wiring, and keeps each stage's
-input so that any replica can run that stage's backward (stateless, with recomputation).
+input so that any replica can run that stage's backward (recomputing the forward if it must). A
+stage's backward goes back to the replica that ran its forward while that one is eligible: it may
+still hold the forward's graph and skip the recomputation.
 Each call has a timeout; a failed or slow replica is banned with backoff and the call is
 retried on another replica of the same stage, a bounded number of times.
 
@@ -33,7 +35,7 @@ from hivemind.utils import get_logger
 
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
-from swarm.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec
+from swarm.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, num_blocks
 from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
@@ -65,6 +67,15 @@ class BadReply(RuntimeError):
     def __init__(self, peer_id: str, stage: int, reason: str):
         super().__init__(f"peer {peer_id} of stage {stage} sent a bad reply: {reason}")
         self.peer_id, self.stage, self.reason = peer_id, stage, reason
+
+
+def encoded_float_bytes(elements: int, compression: str, block_size: int) -> int:
+    """Bytes ``elements`` float32 values take on the wire in ``compression`` (data and int8 scales)."""
+    if compression == "fp16":
+        return 2 * elements
+    if compression == "int8":
+        return elements + 4 * num_blocks(elements, block_size)
+    return HIDDEN_DTYPE.itemsize * elements
 
 
 # ---- checking replies (pure) ----
@@ -177,8 +188,10 @@ class PipelineClient:
         self.verifier: Optional[ReplyVerifier] = None  # spot-checks replies on other replicas (set by the trainer)
         self.attack = TrainerAttack()  # what an emulated poisoning trainer does to its gradients (set by the trainer)
 
-    async def call_stage(self, stage: int, method: str, message: Dict[str, Any], timeout: float) -> Tuple[Dict[str, Any], str]:
-        """Call ``method`` on some replica of ``stage``; returns a checked reply and the replica's peer id."""
+    async def call_stage(self, stage: int, method: str, message: Dict[str, Any], timeout: float,
+                         prefer: Optional[str] = None) -> Tuple[Dict[str, Any], str]:
+        """Call ``method`` on some replica of ``stage``, ``prefer`` first while it is eligible (see
+        :func:`swarm.policy.routing.preferred_replica`); returns a checked reply and the replica's peer id."""
         tried: List[str] = []
         errors: List[str] = []  # one per failed call, first (usually the most telling) first
         no_peer: Optional[str] = None
@@ -186,7 +199,7 @@ class PipelineClient:
             candidates = [p for p in self.snapshot() if p.stage == stage]
             exclude = tried if len(set(tried)) < len(candidates) else ()
             try:
-                peer = self.router.choose(candidates, time.monotonic(), exclude=exclude)
+                peer = self.router.choose(candidates, time.monotonic(), exclude=exclude, prefer=prefer)
             except NoPeerAvailable as e:
                 no_peer = str(e)
                 self.on_stale_snapshot()
@@ -207,7 +220,8 @@ class PipelineClient:
         started = time.monotonic()
         reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
                                 timeout=timeout, max_reply_bytes=self._reply_limit(message),
-                                compression=self.compression, block_size=self.block_size)
+                                compression=self.compression, block_size=self.block_size,
+                                expected_reply_bytes=self._expected_reply_bytes(stage, method, message))
         self._check(peer_id, stage, method, message, reply)
         self.router.report_success(peer_id, _samples(message), time.monotonic() - started)
         return reply
@@ -250,6 +264,20 @@ class PipelineClient:
         hidden = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.hidden_size * HIDDEN_DTYPE.itemsize
         return 2 * max(hidden, inputs.numel() * inputs.element_size()) + REPLY_SLACK_BYTES
 
+    def _expected_reply_bytes(self, stage: int, method: str, message: Mapping[str, Any]) -> int:
+        """Encoded bytes of the tensor a valid reply carries (hidden states of a forward, gradients of the
+        inputs of a backward), in the run's compression: how the call picks unary or stream up front."""
+        inputs = message.get("inputs")
+        if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
+            return 0
+        if method == "forward" and stage < self.num_stages - 1:
+            elements = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.hidden_size
+        elif method == "backward" and stage > 0:
+            elements = inputs.numel()
+        else:
+            return 0
+        return encoded_float_bytes(elements, self.compression, self.block_size)
+
     def _check(self, peer_id: str, stage: int, method: str, message: Mapping[str, Any], reply: Any) -> None:
         reason = check_reply(reply, stage=stage, num_stages=self.num_stages, method=method,
                              inputs=message.get("inputs"), hidden_size=self.model.hidden_size)
@@ -290,12 +318,14 @@ class PipelineClient:
 
     async def train_step(self, micro_batch_id: str, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward of one micro-batch; every stage's contribution goes into the ledger."""
-        stage_inputs = [inputs]
+        stage_inputs, forward_peers = [inputs], []
         for stage in range(self.num_stages - 1):
-            message = {"inputs": stage_inputs[-1]}
+            # the id lets the replica keep this forward's graph for the backward that comes back to it
+            message = {"inputs": stage_inputs[-1], "micro_batch_id": micro_batch_id}
             reply, peer_id = await self.call_stage(stage, "forward", message, self.forward_timeout_s)
             reply = await self._verified(stage, "forward", message, reply, peer_id, self.forward_timeout_s)
             stage_inputs.append(reply["outputs"])
+            forward_peers.append(peer_id)
         last = self.num_stages - 1
         item = Contribution(micro_batch_id, last, "", 0, int(inputs.shape[0]), stage_inputs[last], None, targets)
         reply = await self.backward(item)
@@ -303,29 +333,31 @@ class PipelineClient:
         grad = self.attack.last_grad_inputs(reply.get("grad_inputs"))
         for stage in reversed(range(last)):
             item = Contribution(micro_batch_id, stage, "", 0, int(inputs.shape[0]), stage_inputs[stage], grad, None)
-            grad = (await self._backward_persistently(item)).get("grad_inputs")
+            grad = (await self._backward_persistently(item, prefer=forward_peers[stage])).get("grad_inputs")
         return loss
 
-    async def _backward_persistently(self, item: Contribution, rounds: int = 3) -> Dict[str, Any]:
+    async def _backward_persistently(self, item: Contribution, rounds: int = 3,
+                                     prefer: Optional[str] = None) -> Dict[str, Any]:
         """Backward of a stage below the last: the stages above already counted this micro-batch,
         so giving up would leave them with samples this stage never saw. Retry a few rounds (a
         stage can be briefly without replicas while a peer moves) before failing the micro-batch."""
         for attempt in range(rounds - 1):
             try:
-                return await self.backward(item)
+                return await self.backward(item, prefer=prefer)
             except StageUnavailable as e:
                 logger.warning(f"backward of {item.micro_batch_id} at stage {item.stage} failed, retrying: {e}")
                 await asyncio.sleep(min(2.0 * 2**attempt, 10.0))
-        return await self.backward(item)
+        return await self.backward(item, prefer=prefer)
 
-    async def backward(self, item: Contribution, resend: bool = False) -> Dict[str, Any]:
-        """Run (or re-run) one stage's backward for a contribution and record where it landed."""
+    async def backward(self, item: Contribution, resend: bool = False, prefer: Optional[str] = None) -> Dict[str, Any]:
+        """Run (or re-run) one stage's backward for a contribution and record where it landed; ``prefer``
+        is the replica that ran the micro-batch's forward (it may skip recomputing it)."""
         message: Dict[str, Any] = {"micro_batch_id": item.micro_batch_id, "inputs": item.inputs}
         if item.grad_outputs is not None:
             message["grad_outputs"] = item.grad_outputs
         if item.targets is not None:
             message["targets"] = item.targets
-        reply, peer_id = await self.call_stage(item.stage, "backward", message, self.backward_timeout_s)
+        reply, peer_id = await self.call_stage(item.stage, "backward", message, self.backward_timeout_s, prefer=prefer)
         if resend:
             self.ledger.resent(item, peer_id, reply["step"])
             return reply

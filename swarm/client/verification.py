@@ -90,7 +90,9 @@ class ReplyVerifier:
     async def _check(self, stage: int, method: str, message: Mapping[str, Any], first: Observation,
                      keys: Sequence[str], timeout: float) -> Dict[str, Any]:
         # a backward marked 'verify' computes the same reply without adding to the replica's gradients
-        request = dict(message) if method == "forward" else {**message, "verify": True}
+        # a forward checked elsewhere carries no micro-batch id: that replica has no backward to keep its graph for
+        request = ({k: v for k, v in message.items() if k != "micro_batch_id"} if method == "forward"
+                   else {**message, "verify": True})
         second = await self._observe(stage, method, request, timeout, exclude=[first.peer_id])
         if second is None:
             return dict(first.reply)

@@ -30,7 +30,7 @@ import numpy as np
 
 from swarm.policy.snapshot import PeerInfo
 
-__all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "Router"]
+__all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "preferred_replica", "Router"]
 
 ANNOUNCED_CAP = 4.0  # an announced throughput counts at most this multiple of the stage's (lower) median
 MEASURED_CAP = 2.0  # an unmeasured replica counts at most this multiple of the best measured one
@@ -103,6 +103,19 @@ def effective_throughputs(announced: Sequence[float], measured: Sequence[float],
     return np.where(is_timed, trusted, guesses)
 
 
+def preferred_replica(eligible: Sequence[PeerInfo], prefer: Optional[str]) -> Optional[PeerInfo]:
+    """The replica a call should go to regardless of throughput, or None to draw one.
+
+    A stage's backward goes back to the replica that ran the micro-batch's forward (``prefer``),
+    which may still hold the forward's graph and then skips recomputing it; the draw already
+    weighed that replica's throughput when it got the forward. Only an eligible replica (online,
+    not banned, not excluded after a failed try) is preferred: a dead or banned one costs
+    nothing more than a recomputation elsewhere."""
+    if prefer is None:
+        return None
+    return next((peer for peer in eligible if peer.peer_id == prefer), None)
+
+
 def _as_throughputs(values: Sequence[float], name: str) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64).reshape(-1)
     if not np.all(np.isfinite(array)) or np.any(array < 0):
@@ -140,11 +153,18 @@ class Router:
         self._costs_s: Dict[str, Deque[float]] = {}  # peer id -> wall seconds per sample of its latest successful calls
         self._measured: Dict[str, float] = {}  # peer id -> samples/s: the measurement routing uses
 
-    def choose(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = ()) -> PeerInfo:
-        """Only state=='online', not banned, not excluded; raises NoPeerAvailable."""
+    def choose(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = (),
+               prefer: Optional[str] = None) -> PeerInfo:
+        """Only state=='online', not banned, not excluded; raises NoPeerAvailable.
+
+        ``prefer`` (see :func:`preferred_replica`) is taken whenever it is eligible; otherwise, or
+        without it, the replica is drawn by throughput."""
         options = self.distribution(candidates, now, exclude)
         if not options:
             raise self._explain_empty(candidates, now, exclude)
+        chosen = preferred_replica([peer for peer, _ in options], prefer)
+        if chosen is not None:
+            return chosen
         if len(options) == 1:
             return options[0][0]
         eligible = [peer for peer, _ in options]

@@ -6,6 +6,14 @@ launch and one pass over the weights instead of many, which pays on GPUs and for
 micro-batches. Only forward passes of non-final stages are merged: their outputs are per-sample,
 so splitting the batch's output gives each request exactly what it would have got alone. (Backward
 passes stay one request per call: their gradients are accounted per micro-batch.)
+
+Training forwards whose graph the replica keeps for their backward (:mod:`swarm.server.forward_cache`)
+are not merged: they run one request per call, with autograd on. A merged graph could serve each
+slice's backward only by back-propagating through the whole merged batch once per slice (autograd has
+no cheaper way to reach one slice's share of the weights' gradients), or by holding every slice's
+backward until all of them arrived; a graph per request costs one more kernel launch per request
+instead, which is little next to the recomputation it saves. Forwards without a micro-batch id
+(evaluation, spot checks), and every forward when the cache is off, are merged as before.
 """
 
 from __future__ import annotations

@@ -9,6 +9,10 @@ of a backward, and ``digest``), so that a trainer compares two replicas' replies
 the same parameters. A backward with ``verify: true`` computes the same reply without accumulating
 anything: a trainer checking another replica's reply (it passes the same per-caller limits as any call).
 
+A forward that carries a ``micro_batch_id`` is a training forward: the replica keeps its graph (see
+:mod:`swarm.server.forward_cache`) so that the micro-batch's backward, if it comes back here, need not
+recompute it. Such forwards run alone, not merged with others (see :mod:`swarm.server.batching`).
+
 With the run's ``compression``, the replies of :data:`COMPRESSED_METHODS` (activations and their
 gradients, the bulk of a run's traffic) travel compressed; everything else a peer sends is exact,
 since parameters, states and records must be bit-identical wherever they are compared.
@@ -37,7 +41,7 @@ def check_micro_batch_id(micro_batch_id: Any, caller: str) -> str:
     """A micro-batch id is ``"<caller peer id>:<anything>"``: bound to the trainer that sent it, so nobody can
     take a victim's id first and make a replica drop the victim's gradient as a duplicate."""
     if not isinstance(micro_batch_id, str) or not micro_batch_id:
-        raise ValueError("backward needs a non-empty string micro_batch_id")
+        raise ValueError("micro_batch_id must be a non-empty string")
     if len(micro_batch_id) > 256:
         raise ValueError("micro_batch_id is longer than 256 characters")
     if not micro_batch_id.startswith(f"{caller}:"):
@@ -101,11 +105,16 @@ class StageHandlers:
         self._check(request)
         inputs, targets = request.get("inputs"), request.get("targets")
         runner, batcher = peer.runner, peer.batcher
+        micro_batch_id = request.get("micro_batch_id")
+        if micro_batch_id is not None:
+            check_micro_batch_id(micro_batch_id, caller)
         before = _params_version(runner)
         peer.in_flight += 1
         try:
             if runner.module.is_last:  # a loss per request: not mergeable
                 reply: Dict[str, Any] = {"loss": float(await peer.compute(runner.forward, inputs, targets))}
+            elif micro_batch_id is not None and runner.forward_cache.enabled:
+                reply = {"outputs": await peer.compute(runner.forward_train, micro_batch_id, inputs)}
             else:
                 runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
                 peer.queued += 1
@@ -151,7 +160,14 @@ class StageHandlers:
         return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
 
     async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
-        return self.peer.announcer.record().model_dump(mode="json")
+        """The peer's record, plus what its compute did: forward passes run, backward passes that recomputed
+        their forward, and the forward cache's counters (what a benchmark or an operator wants to see)."""
+        reply = self.peer.announcer.record().model_dump(mode="json")
+        runner = self.peer.runner
+        if runner is not None:
+            reply["compute"] = {"forwards": runner.num_forwards, "recomputed": runner.num_recomputed,
+                                "forward_cache": runner.forward_cache.stats()}
+        return reply
 
     async def parameters(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The stage's parameters (to export a trained model, or to check replicas agree); with

@@ -239,6 +239,8 @@ class Joining:
                 await asyncio.wait_for(peer.coordinator_task, timeout=max(0.1, deadline - time.monotonic()))
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
                 peer.coordinator_task.cancel()
+        if peer.runner is not None:
+            peer.runner.drop_cached_forwards()
         await peer.announcer.announce()
 
 

@@ -106,7 +106,8 @@ class StagePeer:
     async def _serve_stage(self, stage: int) -> None:
         """Take up ``stage``: build its module, get its current state, go online, start stepping."""
         self.stage, self.state = stage, "joining"
-        self.runner = StageRunner(self.run, stage, self.config.device, self.config.delay_per_sample_s)
+        self.runner = StageRunner(self.run, stage, self.config.device, self.config.delay_per_sample_s,
+                                  forward_cache_bytes=int(self.config.forward_cache_mb * 2**20))
         self.batcher = ForwardBatcher(self.runner.forward, self._executor, self.config.max_batch_samples)
         self.steps = StepCoordinator(self)
         self.averager = self._make_averager()

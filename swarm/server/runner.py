@@ -3,9 +3,12 @@
 Runs on the peer's single compute thread (see :class:`swarm.server.peer.StagePeer`); a lock
 guards the state against the averager's state-sharing thread. Knows nothing about networks.
 
-Backward is stateless: a backward request carries the stage's input again and the forward
-is recomputed on whichever replica gets it (as in SWARM), so a peer that dies between a
-micro-batch's forward and backward costs one recomputation elsewhere, nothing more.
+Backward needs no state (as in SWARM): a backward request carries the stage's input again, so any
+replica can serve it by recomputing the forward, and a peer that dies between a micro-batch's forward
+and backward costs one recomputation elsewhere, nothing more. The replica that ran the micro-batch's
+training forward (:meth:`StageRunner.forward_train`) keeps its graph in a byte-bounded
+:class:`~swarm.server.forward_cache.ForwardCache` and skips the recomputation when the backward comes
+back to it, on the same parameters and with the very same inputs; everything else recomputes.
 
 Gradients are double-buffered: when the swarm reaches the global batch, the accumulated sum
 is *frozen* for averaging and a fresh accumulator starts for the next step, so compute never
@@ -33,10 +36,12 @@ from swarm.config import RunConfig
 from swarm.local_training import make_optimizer, optimizer_step
 from swarm.model import StageModule, build_stage
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
+from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
 
 __all__ = ["StageRunner", "FrozenStep", "ThroughputMeter", "parameter_digest"]
 
 logger = get_logger(__name__)
+MAX_MEASURED_SHAPES = 64  # input shapes whose graph size is remembered (measuring costs a hook call per saved tensor)
 
 
 def parameter_digest(params: Sequence[torch.Tensor]) -> str:
@@ -82,6 +87,7 @@ class ThroughputMeter:
 
 
 def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where: str) -> None:
+    """Compares shape and dtype only (wherever ``outputs`` live: no copy), then checks the values."""
     if not isinstance(grad_outputs, torch.Tensor):
         raise ValueError(f"{where}: grad_outputs must be a tensor")
     if grad_outputs.shape != outputs.shape or grad_outputs.dtype != outputs.dtype:
@@ -97,7 +103,7 @@ class StageRunner:
     """One replica of one stage: compute, accumulate, step, and export/import its state."""
 
     def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", delay_per_sample_s: float = 0.0,
-                 poisoning: Optional[PoisoningConfig] = None):
+                 poisoning: Optional[PoisoningConfig] = None, forward_cache_bytes: int = 0):
         self.run, self.stage_index, self.device = run, stage_index, torch.device(device)
         self.delay_per_sample_s = delay_per_sample_s
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
@@ -115,6 +121,12 @@ class StageRunner:
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.frozen: Optional[FrozenStep] = None
         self.digest = self._digest()
+        self.params_version = 0  # bumped whenever the parameters change: a cached graph must match it
+        # the last stage's training forward is its backward call: nothing to cache there
+        self.forward_cache = ForwardCache(0 if self.module.is_last else forward_cache_bytes)
+        self.num_forwards = 0  # module forward passes run, recomputations included
+        self.num_recomputed = 0  # backward passes that recomputed their forward
+        self._saved_bytes: Dict[Tuple[Tuple[int, ...], torch.dtype], int] = {}  # input shape -> bytes autograd saves
         # bounds on what one trainer's micro-batches contribute (swarm.policy.poisoning); None = defences off
         self.guard = ContributionGuard(poisoning or PoisoningConfig()) if run.defences else None
         self._deferred: List[Tuple[str, int, Sequence[torch.Tensor], float]] = []  # (trainer, batch, grads, norm) not added yet
@@ -144,19 +156,60 @@ class StageRunner:
         self.module.check_inputs(inputs, targets)
         start = time.perf_counter()
         with self.lock:
+            self.num_forwards += 1
             output = self.module(self._to_device(inputs), self._to_device(targets)).cpu()
         if not self.module.is_last:
             self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
         return output
 
+    def forward_train(self, micro_batch_id: str, inputs: torch.Tensor) -> torch.Tensor:
+        """The stage output of a training forward, keeping its graph for the micro-batch's backward
+        (when the cache is on and the graph fits); the same values as :meth:`forward`."""
+        if not self.forward_cache.enabled:
+            return self.forward(inputs)
+        self.module.check_inputs(inputs, None)
+        start = time.perf_counter()
+        shape = (tuple(inputs.shape), inputs.dtype)
+        with self.lock:
+            saved = self._saved_bytes.get(shape)
+            leaf, outputs, measured = self._graph(inputs, None, measure=saved is None)
+            if saved is None:  # the same module saves the same tensors for the same input shape: measure once
+                if len(self._saved_bytes) >= MAX_MEASURED_SHAPES:
+                    self._saved_bytes.clear()
+                saved = self._saved_bytes[shape] = measured
+            io_bytes = outputs.numel() * outputs.element_size() + inputs.numel() * inputs.element_size()
+            entry = CachedForward(inputs, leaf, outputs, self.params_version, saved + io_bytes)
+            self.forward_cache.put(micro_batch_id, entry)
+            result = outputs.detach().cpu()
+        self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
+        return result
+
+    def _graph(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], measure: bool = False
+               ) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
+        """Run the forward with autograd on: (the input leaf gradients flow to, or None on the first
+        stage; the outputs; bytes autograd saved for backward, when ``measure``)."""
+        self.num_forwards += 1
+        x = self._to_device(inputs)
+        leaf = None if self.module.is_first else x.detach().requires_grad_(True)
+        run = lambda: self.module(x if leaf is None else leaf, self._to_device(targets))  # noqa: E731
+        with torch.enable_grad():
+            if measure:
+                outputs, saved = measure_saved_bytes(run, iter(self.params))
+            else:
+                outputs, saved = run(), 0
+        return leaf, outputs, saved
+
     def backward(
         self, micro_batch_id: str, inputs: torch.Tensor, grad_outputs: Optional[torch.Tensor],
         targets: Optional[torch.Tensor] = None, accumulate: bool = True,
     ) -> Tuple[Optional[torch.Tensor], Optional[float], int]:
-        """Recompute the forward, accumulate parameter gradients; return (grad_inputs, loss, accum_step).
+        """Accumulate parameter gradients of one micro-batch; return (grad_inputs, loss, accum_step).
 
-        With ``accumulate=False`` (a trainer checking another replica's reply) nothing is accumulated
-        or counted: the same grad_inputs and loss, no change to the replica's state.
+        The forward's graph comes from the cache when this replica ran the micro-batch's training
+        forward on the current parameters from exactly ``inputs``; otherwise the forward is recomputed.
+        With ``accumulate=False`` (a trainer checking another replica's reply) the forward is always
+        recomputed and nothing is accumulated or counted: the same grad_inputs and loss, no change to
+        the replica's state.
 
         On the last stage ``grad_outputs`` is None and the loss is the objective. A micro-batch id
         already accumulated into this replica's current or frozen step is not counted again.
@@ -165,19 +218,22 @@ class StageRunner:
         batch = int(inputs.shape[0])
         start = time.perf_counter()
         with self.lock:
-            x = self._to_device(inputs)
-            if not self.module.is_first:
-                x = x.detach().requires_grad_(True)
+            cached = self.forward_cache.take(micro_batch_id, self.params_version, inputs) \
+                if accumulate and self.forward_cache.enabled else None
+            if cached is not None:
+                leaf, outputs = cached.leaf, cached.outputs
+            else:
+                self.num_recomputed += 1
+                leaf, outputs, _ = self._graph(inputs, targets)
             with torch.enable_grad():
-                outputs = self.module(x, self._to_device(targets))
                 if self.module.is_last:  # a down-weighted trainer's loss counts with its weight, here and below
                     grad_outputs = torch.full_like(outputs, self._loss_weight(micro_batch_id, outputs))
                 else:
-                    _check_grad_outputs(grad_outputs, outputs.cpu(), self.where)
-                wrt = self.params if self.module.is_first else [x] + self.params
+                    _check_grad_outputs(grad_outputs, outputs, self.where)
+                wrt = self.params if leaf is None else [leaf] + self.params
                 grads = torch.autograd.grad(outputs, wrt, self._to_device(grad_outputs))
-            grad_inputs = None if self.module.is_first else grads[0].cpu()
-            param_grads = grads if self.module.is_first else grads[1:]
+            grad_inputs = None if leaf is None else grads[0].cpu()
+            param_grads = grads if leaf is None else grads[1:]
             if not all(bool(torch.isfinite(g).all()) for g in param_grads):
                 raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
             if accumulate:
@@ -286,10 +342,21 @@ class StageRunner:
             self.step = self.frozen.step + 1
             self.samples_applied += total_samples
             self.frozen = None
-            self.digest = self._digest()
+            self._parameters_changed()
 
     def _digest(self) -> str:
         return parameter_digest(self.params)
+
+    def _parameters_changed(self) -> None:
+        """After a step or a loaded state: new digest, and no graph built on the old parameters survives."""
+        self.params_version += 1
+        self.forward_cache.invalidate()
+        self.digest = self._digest()
+
+    def drop_cached_forwards(self) -> None:
+        """Free every cached graph (the replica leaves its stage)."""
+        with self.lock:
+            self.forward_cache.clear()
 
     # ---- state: shared with joining replicas and written to checkpoints ----
 
@@ -347,4 +414,4 @@ class StageRunner:
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None
-            self.digest = self._digest()
+            self._parameters_changed()
