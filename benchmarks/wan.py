@@ -27,7 +27,7 @@ list, one object per cell: {"bandwidth_mbit", "hidden", "compression", "tokens_p
 "loss", "samples", "train_s"}.
 
 Usage: sudo python benchmarks/wan.py [--bandwidths 50,200,1000] [--compressions none,fp16,int8]
-       [--hiddens 256,1024] [--duration_s 30]
+       [--hiddens 256,1024] [--duration_s 30] [--lr_at_256 1e-3]
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compressions", default="none,fp16,int8", help="run compression settings, comma-separated")
     p.add_argument("--hiddens", default="256,1024", help="model widths, comma-separated")
     p.add_argument("--duration_s", type=float, default=30.0, help="seconds the trainer trains, per cell")
+    p.add_argument("--lr_at_256", type=float, default=1e-3,
+                   help="learning rate at hidden 256; other widths take it times 256 / hidden, since one Adam step at a "
+                        "fixed rate moves a wider model's outputs further (hidden 1024 at 1e-3 ends worse than it starts)")
     p.add_argument("--num_layers", type=int, default=2)
     p.add_argument("--seq_len", type=int, default=64)
     p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
@@ -66,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _model(args, hidden: int) -> List[str]:
     return ["--num_layers", str(args.num_layers), "--hidden_size", str(hidden), "--num_heads", str(max(1, hidden // 64)),
-            "--seq_len", str(args.seq_len)]
+            "--seq_len", str(args.seq_len), "--lr", f"{args.lr_at_256 * 256 / hidden:.3g}"]
 
 
 def _link_bytes(hosts: Hosts, host: int) -> int:
