@@ -81,8 +81,8 @@ from swarm import wire  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.config import NetworkConfig, RunConfig, TrainerConfig  # noqa: E402
 from swarm.data import BatchSampler, Corpus, load_corpus  # noqa: E402
-from swarm.local_training import make_optimizer, optimizer_step  # noqa: E402
 from swarm.model import FullModel, ModelConfig  # noqa: E402
+from swarm.optimizer import make_optimizer, optimizer_step  # noqa: E402
 from swarm.rpc import call_peer  # noqa: E402
 from swarm.server.runner import StageRunner  # noqa: E402
 

@@ -81,7 +81,7 @@ def load_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, des
     Returns (config, the verified manifest or None). Exits with code 2 and one line on stderr when
     a setting the user gave contradicts the manifest, and with code 1 when the manifest cannot be
     fetched or trusted, or the run is private and this peer is not on its allowlist."""
-    from swarm.configuration import ConfigError, config_from_dict, parse_role_args
+    from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
 
     role = parse_role_args(cls, argv, prog, description, add_extras=_add_join)
     address = role.extras.join

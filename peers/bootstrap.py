@@ -18,7 +18,7 @@ import yaml
 
 from peers._common import emit, setup_logging, stop_event
 from swarm.config import BootstrapConfig, RunConfig
-from swarm.configuration import ConfigError, config_from_dict, parse_role_config
+from swarm.config_loading import ConfigError, config_from_dict, parse_role_config
 
 logger = logging.getLogger("swarm.bootstrap")
 MANIFEST_EXPIRATION_S = 600.0  # seconds a published manifest lives in the DHT without being re-published

@@ -16,7 +16,7 @@ from peers._common import setup_logging, stop_event
 from peers.launcher import RoleProcess
 from peers.status import status_line
 from swarm.config import DemoConfig, NetworkConfig
-from swarm.configuration import parse_role_config
+from swarm.config_loading import parse_role_config
 
 
 def _run_flags(config: DemoConfig) -> List[str]:

@@ -9,7 +9,7 @@ from typing import Dict, Optional, Sequence
 
 from peers._common import setup_logging, stop_event
 from swarm.config import NetworkConfig
-from swarm.configuration import parse_role_config
+from swarm.config_loading import parse_role_config
 from swarm.records import validate_run_id
 
 

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config import TrainerConfig
-from swarm.configuration import ConfigError
+from swarm.config_loading import ConfigError
 
 logger = logging.getLogger("swarm.trainer")
 

@@ -18,7 +18,7 @@ from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
 from swarm.config import RunConfig
-from swarm.configuration import ConfigError, config_from_dict
+from swarm.config_loading import ConfigError, config_from_dict
 from swarm.manifest import run_differences, run_hash, run_settings
 from swarm.rpc import call_peer
 

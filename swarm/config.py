@@ -1,7 +1,7 @@
 """Config dataclasses of the swarm's roles: the run they join, the network, a peer, a trainer.
 
 One dataclass per role; the CLI maps each leaf field 1:1 onto a flag (see
-:mod:`swarm.configuration`), YAML files mirror the nesting. Comments after fields are their
+:mod:`swarm.config_loading`), YAML files mirror the nesting. Comments after fields are their
 help text and carry units. Defaults work on loopback.
 """
 
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 from swarm.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from swarm.local_training import OptimizerConfig
 from swarm.model import ModelConfig
+from swarm.optimizer import OptimizerConfig
 from swarm.policy.aggregation import AggregationConfig
 from swarm.policy.rebalance import RebalanceConfig
 from swarm.records import validate_run_id

@@ -29,7 +29,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from swarm import PROTOCOL_VERSION
 from swarm.config import RunConfig
-from swarm.configuration import ConfigError, config_from_dict
+from swarm.config_loading import ConfigError, config_from_dict
 from swarm.identity import Identity, owner_subkey, peer_id_of
 from swarm.records import MAX_MANIFEST_PAYLOAD_BYTES, manifest_key
 from swarm.rpc import Handler, call_peer

@@ -15,7 +15,7 @@ import torch
 from swarm.client.verification import compression_slack
 from swarm.compression import compress, decompress, error_bound
 from swarm.config import PeerConfig, RunConfig
-from swarm.configuration import ConfigError, config_from_dict, parse_role_args
+from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
 from swarm.manifest import run_differences, run_hash, run_settings
 from swarm.rpc import RPCServicer, call_peer
 from swarm.server.handlers import COMPRESSED_METHODS

@@ -9,8 +9,9 @@ from typing import Sequence, Tuple
 import torch
 
 from swarm.data import load_corpus, validation_batches
-from swarm.local_training import OptimizerConfig, evaluate, train_single_process
+from swarm.local_training import evaluate, train_single_process
 from swarm.model import FullModel, ModelConfig
+from swarm.optimizer import OptimizerConfig
 from tests.utils.probe import online
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)

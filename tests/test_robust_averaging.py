@@ -142,8 +142,9 @@ async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_
     """Live: stage 0 has four replicas, one sending its gradients x -1000 to every round. The honest replicas
     ban it, and the model they train ends as good as single-process training on the same samples."""
     from swarm.data import load_corpus, validation_batches
-    from swarm.local_training import OptimizerConfig, evaluate, train_single_process
+    from swarm.local_training import evaluate, train_single_process
     from swarm.model import FullModel, ModelConfig
+    from swarm.optimizer import OptimizerConfig
     from tests.utils.probe import online
 
     model_config = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)

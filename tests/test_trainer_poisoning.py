@@ -10,8 +10,8 @@ import torch
 
 from swarm.client.attacks import GRAD_OUTPUT_SCALE, TrainerAttack
 from swarm.config import RunConfig, TrainerConfig
-from swarm.local_training import OptimizerConfig
 from swarm.model import ModelConfig
+from swarm.optimizer import OptimizerConfig
 from swarm.policy.poisoning import (
     ContributionGuard, PoisoningConfig, clip_bound, clip_factor, clip_reference, loss_outliers, lower_median,
     share_bound, trainer_of, warmup_done,

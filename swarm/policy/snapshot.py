@@ -41,8 +41,3 @@ class PeerInfo:
         if isinstance(self.queue_length, bool) or not isinstance(self.queue_length, int) \
                 or self.queue_length < 0:
             raise ValueError(f"queue_length must be a non-negative int, got {self.queue_length!r}")
-
-    @property
-    def measured(self) -> bool:
-        """Whether the peer has reported a throughput yet (0.0 means "not measured")."""
-        return self.throughput > 0.0

@@ -33,8 +33,8 @@ import torch
 from hivemind.utils import get_logger
 
 from swarm.config import RunConfig
-from swarm.local_training import make_optimizer, optimizer_step
 from swarm.model import StageModule, build_stage
+from swarm.optimizer import make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
 
