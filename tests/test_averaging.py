@@ -71,3 +71,30 @@ async def test_replicas_averaging_in_int8_stay_identical(launcher, probe):
     assert all(torch.equal(a, b) for a, b in zip(exported[0]["parameters"], exported[1]["parameters"]))
     # identical by construction, not because a replica downloaded the other's state after diverging
     assert not any("out of sync" in peer.log_tail(20_000) for peer in replicas)
+
+
+def test_a_failed_round_is_reported_once_without_hiveminds_traceback():
+    import logging
+    import sys
+
+    from hivemind.averaging.matchmaking import MatchmakingException
+    from hivemind.averaging.partition import AllreduceException
+
+    from swarm.server.averaging import ReportedRoundFailures
+
+    def record(error: BaseException) -> logging.LogRecord:
+        try:
+            raise error
+        except BaseException:
+            return logging.LogRecord("hivemind.averaging.averager", logging.ERROR, __file__, 1, str(error), (),
+                                     sys.exc_info())
+
+    quiet = ReportedRoundFailures()
+    assert not quiet.filter(record(AllreduceException("Averaging step failed: could not find a group")))
+    assert not quiet.filter(record(MatchmakingException("the leader left")))
+    assert quiet.filter(record(RuntimeError("a real fault")))  # anything else keeps its traceback
+    assert quiet.filter(logging.LogRecord("hivemind.averaging.averager", logging.WARNING, __file__, 1, "w", (), None))
+    ReportedRoundFailures.install()
+    ReportedRoundFailures.install()
+    filters = logging.getLogger(ReportedRoundFailures.LOGGER).filters
+    assert sum(isinstance(f, ReportedRoundFailures) for f in filters) == 1

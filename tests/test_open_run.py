@@ -56,6 +56,9 @@ async def test_fake_replicas_do_not_stop_lone_replicas_from_stepping(launcher, p
                                        "both real replicas to take at least 3 global steps")
         assert {x.stage for x in real(records)} == {0, 1}
         assert "ignoring the claims of" in last.log_tail(400)
+        # rounds with a replica that never averages fail; each failure is one line, not a traceback
+        log = last.log_path.read_text(errors="replace")
+        assert "failed: AllreduceException" in log and "Traceback" not in log, log[-3000:]
     finally:
         stop.set()
         await asyncio.gather(*fakes, return_exceptions=True)

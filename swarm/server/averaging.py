@@ -30,6 +30,7 @@ in a group that contains one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from concurrent.futures import InvalidStateError
@@ -39,6 +40,7 @@ import torch
 from hivemind import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, deserialize_torch_tensor
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import P2PContext, PeerID
@@ -56,7 +58,8 @@ from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.server.faults import GradientFault
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 
-__all__ = ["StageAverager", "RoundResult", "BlockwiseInt8", "butterfly_compression", "step_group_bits"]
+__all__ = ["StageAverager", "RoundResult", "BlockwiseInt8", "butterfly_compression", "step_group_bits",
+           "ReportedRoundFailures"]
 
 logger = get_logger(__name__)
 GROUP_BITS = 16
@@ -131,6 +134,26 @@ def _register_decoder(codec: CompressionBase) -> None:
     hivemind_serialization._BASE_COMPRESSION_TYPES[name] = codec
 
 
+class ReportedRoundFailures(logging.Filter):
+    """Drops hivemind's ERROR line with a traceback for an averaging round that found no group or failed
+    in matchmaking or in the all-reduce. Such a round ends in an exception that :meth:`StageAverager.average`
+    receives and reports on one line; it is an expected event (a groupmate died or left, replicas stepped
+    apart), not a fault of this peer, and a traceback per round would bury a peer's log. Anything else
+    hivemind logs passes."""
+
+    LOGGER = "hivemind.averaging.averager"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, (AllreduceException, MatchmakingException))
+
+    @classmethod
+    def install(cls) -> None:
+        target = logging.getLogger(cls.LOGGER)
+        if not any(isinstance(f, cls) for f in target.filters):
+            target.addFilter(cls())
+
+
 class StageAverager(DecentralizedAverager):
     """Averages gradient-shaped tensors; serves ``state_fn()`` to replicas that download state.
 
@@ -162,7 +185,9 @@ class StageAverager(DecentralizedAverager):
         super().__init__([torch.zeros_like(t, dtype=torch.float64) for t in grad_shapes], **kwargs)
 
     def run(self) -> None:
-        """The averager's process: decodes int8 parts with :class:`BlockwiseInt8` before serving anything."""
+        """The averager's process: decodes int8 parts with :class:`BlockwiseInt8` before serving anything,
+        and leaves the report of a failed round to :meth:`average` (see :class:`ReportedRoundFailures`)."""
+        ReportedRoundFailures.install()
         compression = self.allreduce_kwargs.get("compression")
         if isinstance(compression, BlockwiseInt8):
             _register_decoder(compression)
