@@ -88,3 +88,7 @@ def test_demo_runs_and_stops_everything(tmp_path):
     assert "trainer0: sent" in output
     leftovers = subprocess.run(["pgrep", "-f", run_id], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"demo left processes behind: {leftovers}"
+    logs = {path.name: path.read_text(errors="replace") for path in tmp_path.glob("*.log")}
+    assert len(logs) >= 4, sorted(logs)  # bootstrap, a peer per stage, the trainer
+    noisy = {name: text[-2000:] for name, text in logs.items() if "Traceback" in text or "never retrieved" in text}
+    assert not noisy, f"a normal run and stop left tracebacks in the logs: {noisy}"
