@@ -10,6 +10,8 @@ Only the replica that acknowledged a contribution (P, which said it went into it
 asked about it, and only what P itself says about s counts first (:func:`decide`):
 - P's record says whether its own gradients went into its applied step s
   (``contributed_to(s)``): True -> committed; False -> re-sent (P applied s without them);
+  while P marks s *tentative* (a minority of the stage averaged it, so P may yet give that lineage
+  up for the majority's state), the trainer waits: P later confirms s, or drops it and says False;
 - P is gone (its record missing for a grace period, so that one failed or partial DHT read
   does not look like a death), leaving, or moved to another stage, and never said: the stage's
   live replicas are asked which peers step s averaged (RPC ``step_members``); a strict majority
@@ -48,6 +50,9 @@ class ReplicaRecord(Protocol):
 
     def contributed_to(self, step: int) -> Optional[bool]:
         """Whether its own gradients went into its applied step ``step``; None if it cannot tell."""
+
+    def is_tentative(self, step: int) -> bool:
+        """Whether its applied step ``step`` may still be dropped (a minority of its stage averaged it)."""
 
 
 @dataclass
@@ -94,6 +99,8 @@ def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, a
     replica that answered: True (the step's members include the holder), False (they do not),
     None (that replica does not know the step)."""
     serving = holder is not None and holder.stage == item.stage
+    if serving and holder.state == "online" and holder.is_tentative(item.step):
+        return "wait"  # a minority of the stage averaged the step: it stands or is dropped once the stage agrees
     if serving:
         included = holder.contributed_to(item.step)
         if included is not None:

@@ -138,7 +138,7 @@ class Joining:
         first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
         await peer.compute(runner.load_state, metadata, tensors)
         if peer.steps is not None:
-            peer.steps.skipped(first_dropped, runner.step)
+            peer.steps.adopted(first_dropped, runner.step)
         logger.info(f"stage {peer.stage}: downloaded state at step {runner.step} from {source}")
 
     # ---- with defences: the majority's state, verified ----
