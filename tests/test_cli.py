@@ -29,7 +29,7 @@ def test_help_and_unknown_command():
     result = subprocess.run([sys.executable, "-m", "peers.cli", "--help"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0
-    for command in ("peer", "train", "bootstrap", "demo", "status", "plan", "simulate"):
+    for command in ("peer", "train", "bootstrap", "demo", "status", "dashboard", "plan", "simulate"):
         assert command in result.stdout
     result = subprocess.run([sys.executable, "-m", "peers.cli", "fly"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)

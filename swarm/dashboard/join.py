@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 from swarm.config import RunConfig
 from swarm.manifest import run_settings
 
-__all__ = ["JoinInfo", "join_commands", "run_flags"]
+__all__ = ["JoinInfo", "join_commands", "run_flags", "majority_run_hash"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,3 +76,14 @@ def join_commands(info: JoinInfo) -> Dict[str, Any]:
     args = ["--initial_peers", ",".join(info.initial_peers), *run_args] if info.initial_peers else run_args
     return {"via": "initial_peers", "complete": info.run is not None, "address": None,
             "peer": _command("peer", args), "trainer": _command("train", args)}
+
+
+def majority_run_hash(records: Mapping[str, Any]) -> Optional[str]:
+    """The run-settings hash that most online peers announce (ties broken by the hash, so every reader
+    agrees), or None when no online peer announces one: whose settings the join command should repeat."""
+    counts: Dict[str, int] = {}
+    for record in records.values():
+        run_hash = getattr(record, "run_hash", "")
+        if getattr(record, "state", None) == "online" and run_hash:
+            counts[run_hash] = counts.get(run_hash, 0) + 1
+    return max(counts, key=lambda h: (counts[h], h)) if counts else None
