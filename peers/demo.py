@@ -34,6 +34,10 @@ def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
                        log_dir, "bootstrap")
     processes.append(boot)
     maddrs = boot.wait_event("bootstrap_ready", config.startup_timeout_s)["maddrs"]
+    if config.dashboard_port >= 0:  # started first, so that its page shows the peers as they join
+        processes.append(RoleProcess("dashboard", [
+            "--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages), "--initial_peers",
+            ",".join(maddrs), "--port", str(config.dashboard_port), "--period_s", "1"], log_dir, "dashboard"))
     common = [*_run_flags(config), "--initial_peers", ",".join(maddrs)]
     peers = [RoleProcess("peer", ["--stage", str(stage), *common], log_dir, f"peer_s{stage}_{i}")
              for stage in range(config.run.num_stages) for i in range(config.peers_per_stage)]
@@ -67,6 +71,17 @@ async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleP
         dht.shutdown()
 
 
+def _announce_dashboard(processes: List[RoleProcess]) -> None:
+    """Print where the run's web page is; a dashboard that failed (its port taken) does not stop the demo."""
+    for process in processes:
+        if process.role == "dashboard":
+            try:
+                print(f"dashboard: {process.wait_event('dashboard_ready', 30)['url']} (a live page of the run)", flush=True)
+            except TimeoutError:
+                reason = process.log_tail(3).strip().splitlines()
+                print(f"no dashboard: {reason[-1] if reason else 'it did not start'}", flush=True)
+
+
 async def demo(config: DemoConfig) -> int:
     stop = stop_event()
     log_dir = Path(config.work_dir)
@@ -77,6 +92,7 @@ async def demo(config: DemoConfig) -> int:
     try:
         processes = await asyncio.get_running_loop().run_in_executor(None, _start_swarm, config, log_dir)
         maddrs = processes[0].wait_event("bootstrap_ready", 1)["maddrs"]
+        _announce_dashboard(processes)
         trainers = [p for p in processes if p.role == "train"]
         await _watch(config, maddrs, trainers, stop)
         for trainer in trainers:
