@@ -155,3 +155,21 @@ def test_bad_flags_and_a_busy_port_are_refused_with_the_reason(tmp_path):
             assert f"cannot serve the dashboard on 127.0.0.1:{port}" in taken.log_path.read_text()
         finally:
             stop_all([taken], timeout=5)
+
+
+def test_a_run_with_a_manifest_is_joined_with_its_address(launcher, tmp_path):
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(f"run_id: {launcher.run_id}\nnum_stages: 2\ntarget_batch_size: 64\n"
+                        "model: {num_layers: 2, hidden_size: 32, num_heads: 2, seq_len: 16}\n")
+    organiser = launcher.start("bootstrap", ["--manifest", str(manifest)], name="organiser")
+    address = organiser.wait_event("bootstrap_ready", timeout=60)["join"]
+    joined = launcher.start("dashboard", ["--join", address, "--port", "0", "--period_s", "0.5"], name="joined")
+    # a dashboard given the organiser as a plain initial peer finds the manifest it publishes in the DHT
+    found = launcher.start("dashboard", ["--initial_peers", address, "--run_id", launcher.run_id, "--num_stages", "2",
+                                         "--port", "0", "--period_s", "0.5"], name="found")
+    for dashboard in (joined, found):
+        url = dashboard.wait_event("dashboard_ready", timeout=60)["url"]
+        state = wait_for_state(url, lambda s: s["join"]["via"] == "manifest", timeout=30, what="the run's manifest")
+        assert state["run_id"] == launcher.run_id and state["num_stages"] == 2 and len(state["stages"]) == 2
+        assert state["join"]["peer"] == f"swarm peer --join {address}", state["join"]
+        assert state["join"]["trainer"] == f"swarm train --join {address}"

@@ -78,8 +78,10 @@ function drawChart(svg, xs, ys, options) {
   if (options.floor !== undefined && y0 < options.floor) y0 = Math.min(options.floor, y1 - 1);  // rates are never negative
   const sx = (x) => left + (x - x0) / ((x1 - x0) || 1) * (width - left - right);
   const sy = (y) => top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom);
-  for (let i = 0; i <= 4; i++) {
-    const y = y0 + (y1 - y0) * i / 4;
+  let ticks = [0, 1, 2, 3, 4].map((i) => y0 + (y1 - y0) * i / 4);
+  if (options.digits === 0)  // integer series (steps): one gridline per distinct whole value in range
+    ticks = [...new Set(ticks.map(Math.round))].filter((y) => y >= y0 && y <= y1);
+  for (const y of ticks) {
     el(svg, "line", {x1: left, x2: width - right, y1: sy(y), y2: sy(y), class: "grid"});
     el(svg, "text", {x: left - 4, y: sy(y) + 3, "text-anchor": "end"}, fmt(y, options.digits));
   }
