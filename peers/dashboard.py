@@ -8,6 +8,7 @@ package, so it works offline. With ``--join ADDRESS`` the run's settings come fr
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
@@ -77,6 +78,22 @@ def load_config(argv: Optional[Sequence[str]]) -> Tuple[DashboardConfig, Any, Op
         role.parser.error(f"invalid configuration: {e}")
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Raise ``OSError`` if ``host:port`` cannot be listened on now. The page's own socket is opened only
+    after the DHT process forks, so that the DHT does not inherit it and hold the port after this process ends."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+        probe.bind((host, port))
+
+
+def _cannot_listen(config: DashboardConfig, error: OSError) -> int:
+    return fail(f"cannot serve the dashboard on {config.host}:{config.port}: {error.strerror or error} "
+                f"(pick another --port, or 0 for any free one)")
+
+
 async def serve(config: DashboardConfig, manifest: Any = None, address: Optional[str] = None) -> int:
     from swarm.dashboard.history import History
     from swarm.dashboard.join import JoinInfo
@@ -90,7 +107,10 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
     join = JoinInfo(config.run_id, config.num_stages, tuple(config.network.initial_peers), manifest_address=address,
                     run=None if manifest is None else manifest.run)
     box = StateBox(build_state(Snapshot(fetched_at=time.time(), error="no DHT snapshot yet"), history, join, 0.0))
-    # the DHT forks its process first, so that the child does not inherit the page's listening socket
+    try:
+        _check_can_listen(config.host, config.port)  # fail in a second, not after starting the DHT
+    except OSError as e:
+        return _cannot_listen(config, e)
     if manifest is not None:  # a private run's nodes talk only to members: join as the manifest says
         dht = start_run_dht(config.network, manifest.run, client_mode=True)
     else:
@@ -100,8 +120,7 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
         try:
             server = DashboardServer(box, config.host, config.port)
         except OSError as e:
-            return fail(f"cannot serve the dashboard on {config.host}:{config.port}: {e.strerror or e} "
-                        f"(pick another --port, or 0 for any free one)")
+            return _cannot_listen(config, e)
         server.start()
         emit("dashboard_ready", url=server.url, run_id=config.run_id)
         print(f"Dashboard of run {config.run_id!r}: {server.url}", flush=True)

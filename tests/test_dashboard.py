@@ -140,21 +140,19 @@ def test_bad_flags_and_a_busy_port_are_refused_with_the_reason(tmp_path):
 
     from tests.utils.processes import RoleProcess, stop_all
 
-    bad = RoleProcess("dashboard", ["--port", "70000"], tmp_path, "bad_port")
-    try:
-        assert bad.proc.wait(timeout=60) == 2 and "port must be in 0..65535" in bad.log_path.read_text()
-    finally:
-        stop_all([bad], timeout=5)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        taken = RoleProcess("dashboard", ["--port", str(port), "--run_id", "busy"], tmp_path, "busy_port")
+        roles = [RoleProcess("dashboard", ["--port", "70000"], tmp_path, "bad_port"),  # both at once: each imports torch
+                 RoleProcess("dashboard", ["--port", str(port), "--run_id", "busy"], tmp_path, "busy_port")]
         try:
+            bad, taken = roles
+            assert bad.proc.wait(timeout=60) == 2 and "port must be in 0..65535" in bad.log_path.read_text()
             assert taken.proc.wait(timeout=60) == 1, taken.log_tail()
             assert f"cannot serve the dashboard on 127.0.0.1:{port}" in taken.log_path.read_text()
         finally:
-            stop_all([taken], timeout=5)
+            stop_all(roles, timeout=5)
 
 
 def test_a_run_with_a_manifest_is_joined_with_its_address(launcher, tmp_path):
