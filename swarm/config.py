@@ -216,9 +216,12 @@ class DemoConfig:
     log_period_s: float = 5.0  # seconds between status lines
     work_dir: str = "runs/demo"  # each process writes its log here
     startup_timeout_s: float = 120.0  # seconds to wait for every process to come up
+    dashboard_port: int = 8080  # TCP port of the run's live web page (swarm dashboard) on 127.0.0.1; 0 = any free port, -1 = none
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        if not -1 <= self.dashboard_port <= 65535:
+            raise ValueError(f"dashboard_port must be in -1..65535, got {self.dashboard_port}")
         for name in ("peers_per_stage", "num_trainers", "batch_size", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
