@@ -94,7 +94,10 @@ async def _announce(node: DHTNode, identity, stage: int, period_s: float, stop: 
 async def _read(node: DHTNode, keys: List[str], period_s: float, stop: float, latencies: List[float]) -> None:
     while time.monotonic() < stop:
         started = time.perf_counter()
-        await asyncio.wait_for(node.get_many(keys, sufficient_expiration_time=float("inf")), 10.0)
+        try:
+            await asyncio.wait_for(node.get_many(keys, sufficient_expiration_time=float("inf")), 10.0)
+        except asyncio.TimeoutError:
+            _BYTES["failed_lookups"] = _BYTES.get("failed_lookups", 0) + 1  # counted at the timeout's latency
         latencies.append(1000 * (time.perf_counter() - started))
         await asyncio.sleep(period_s)
 
@@ -127,7 +130,8 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
         reads_per_s = len(latencies) / elapsed / num_peers
         return {"peers": num_peers, "dht_bytes_per_s_per_peer": round(2 * total / num_peers / elapsed, 1),
                 "max_record_bytes": record_bytes, "lookup_ms_p50": round(statistics.median(latencies), 2),
-                "max_message_bytes": _BYTES["max_message"], "reads_per_s_per_peer": round(reads_per_s, 2),
+                "max_message_bytes": _BYTES["max_message"],
+                "failed_lookups": _BYTES.get("failed_lookups", 0), "reads_per_s_per_peer": round(reads_per_s, 2),
                 "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "source": "live"}
     finally:
         for node in nodes:
