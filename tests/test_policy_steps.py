@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from swarm.policy.steps import (
     ReplicaClaim, StageView, clock_step, diverged, majority_state, must_wait, near_target, needs_resync, others_pending,
-    overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, stage_mates,
+    overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
 )
 
 TARGET = 100
@@ -110,6 +110,8 @@ def test_a_step_averaged_by_a_minority_of_the_stage_is_tentative_until_the_major
     assert not majority_group(2, four), "2 of 4 replicas are no majority"
     assert majority_group(3, four)
     assert majority_group(1, view()), "the only replica is the whole stage"
+    # rounds form majority groups only: 4 replicas are never split into two pairs
+    assert [min_group_size(view(others=tuple(claim(peer_id=str(i)) for i in range(n)))) for n in (1, 2, 3, 4)] == [2, 2, 3, 3]
     # B stepped 3 -> 4 with a minority; the others still hold step 3 of the same lineage: nothing confirmed yet
     ahead = replace(four, step=4, accum_step=4, digest="d4", history=((3, "d3"),))
     assert confirmed_below(ahead) == 3, "the majority lags on our lineage: steps below 3 are on it"

@@ -28,7 +28,7 @@ from typing import Collection, Dict, FrozenSet, Mapping, Optional, Sequence, Set
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "clock_step", "stage_mates", "majority_group", "confirmed_below", "MAX_CLAIM_SHARE",
+    "overclaimers", "clock_step", "stage_mates", "min_group_size", "majority_group", "confirmed_below", "MAX_CLAIM_SHARE",
 ]
 
 # a replica's claimed pending samples count at most this multiple of its fair share of the global batch
@@ -206,6 +206,14 @@ def step_alone(failed_rounds: int, max_failed_rounds: int, view: Optional[StageV
     if view is not None and any(claim.step > view.step for claim in stage_mates(view)):
         return False
     return failed_rounds >= max_failed_rounds
+
+
+def min_group_size(view: StageView) -> int:
+    """The smallest averaging group worth forming: a strict majority of the stage. Smaller groups would
+    split the stage into lineages (hivemind's matchmaking, pressed for time, happily pairs four replicas
+    off into two groups of two); a replica that finds no such group steps alone after failed rounds,
+    tentatively (:func:`majority_group`)."""
+    return (len(stage_mates(view)) + 1) // 2 + 1
 
 
 def majority_group(members: int, view: StageView) -> bool:

@@ -17,7 +17,7 @@ from hivemind.utils import get_logger
 
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, confirmed_below, majority_group, must_wait, near_target, needs_resync, overclaimers,
+    ReplicaClaim, StageView, confirmed_below, majority_group, min_group_size, must_wait, near_target, needs_resync, overclaimers,
     stage_mates, step_alone, step_is_due, trusted_others,
 )
 from swarm.records import (
@@ -37,6 +37,7 @@ MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica appli
 RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored after they proved false
 BAN_S = 3600.0  # seconds a replica caught lying in averaging stays banned (by this replica's averager too)
+TENTATIVE_S = 30.0  # seconds a step a minority averaged stays tentative before its replica stands by it
 
 
 class StepCoordinator:
@@ -57,7 +58,7 @@ class StepCoordinator:
         self._failed_rounds = 0
         self._failed_step = -1  # the frozen step that _failed_rounds counts rounds for
         self._silent: Set[str] = set()  # stage-mates distrusted for announcing themselves online but not averaging
-        self.tentative: Set[int] = set()  # applied steps a minority of the stage averaged (see majority_group)
+        self.tentative: Dict[int, float] = {}  # applied step a minority of the stage averaged -> when (majority_group)
 
     # ---- the view the policy decides on ----
 
@@ -179,7 +180,8 @@ class StepCoordinator:
                     f"with {len(mates)} other replicas")
         result = await peer.averager.average(
             frozen.step, frozen.mean_grads, frozen.samples, gather,
-            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s)
+            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
+            min_group_size=min_group_size(view))
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
                     f"after {time.monotonic() - started:.2f}s")
         if result is None:
@@ -247,16 +249,24 @@ class StepCoordinator:
         self._failed_rounds = 0
         self.remember(step, members)
         if tentative:
-            self.tentative.add(step)
+            self.tentative[step] = time.monotonic()
         logger.info(f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas"
                     f"{' (tentative: a minority of the stage)' if tentative else ''}")
         await peer.announcer.announce()
 
     def _confirm(self, view: StageView) -> None:
-        """Settle the tentative steps that the stage's majority now holds (its state descends from them)."""
-        below = confirmed_below(view)
-        if self.tentative and below:
-            self.tentative = {step for step in self.tentative if step >= below}
+        """Settle the tentative steps that the stage's majority now holds (its state descends from them),
+        and those that no majority confirmed or replaced within ``TENTATIVE_S``: a stage without a majority
+        (or with replicas that announce a state they never average) must not hold its trainers' accounting
+        back for ever."""
+        if not self.tentative:
+            return
+        below, now = confirmed_below(view), time.monotonic()
+        stale = sorted(step for step, at in self.tentative.items() if step >= below and now - at > TENTATIVE_S)
+        if stale:
+            logger.info(f"stage {self.peer.stage}: standing by steps {stale}: no majority of the stage confirmed or "
+                        f"replaced them in {TENTATIVE_S:.0f}s")
+        self.tentative = {step: at for step, at in self.tentative.items() if step >= below and step not in stale}
 
     def tentative_bits(self) -> int:
         """:attr:`PeerRecord.tentative_bits` for the current ``contributed`` window."""
@@ -278,7 +288,7 @@ class StepCoordinator:
                 bits &= ~(1 << (base - dropped))
         for dropped in [s for s in self.members if s >= step or s in self.tentative]:
             del self.members[dropped]  # the members of another lineage's steps say nothing of the stage's
-        self.contributed, self.tentative = (base, bits), set()
+        self.contributed, self.tentative = (base, bits), {}
         self._failed_rounds = 0
         self.skipped(first_dropped, step)
 
