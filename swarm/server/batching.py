@@ -27,12 +27,23 @@ micro-batch's own parameter gradient, grad_inputs and loss; the runner then clip
 each one exactly as alone (:meth:`StageRunner.backward_batch`). Backwards that find their forward's
 graph cached, duplicates, and requests of a shape no other request shares run alone.
 
-Measured on this project's 2-core CPU machine (default model: 4 layers, hidden 128, seq 64; 2 stages;
-micro-batches of 8; one torch thread; CPU time per micro-batch, best of 15, ``benchmarks/batching.py``):
-see the figures in that script's docstring. The vectorised per-request backward costs more CPU than
-running the requests one by one here, and even a plain summed backward (which no per-micro-batch clip
-allows) would save only a few percent, so the merge stays off by default; it is meant for accelerators,
-where a small micro-batch leaves most of the device idle.
+Measured with ``python benchmarks/batching.py`` on this project's 2-core CPU machine (the examples'
+model: 4 layers, hidden 128, seq 64, 2 stages; micro-batches of 8; one torch thread; CPU ms per
+micro-batch, best of 10, while other tests shared the machine), one by one / merged:
+
+=========================  ===========  ===========  ===========
+requests merged            2            4            8
+=========================  ===========  ===========  ===========
+last-stage forward         8.58 / 8.84  8.43 / 7.95  7.59 / 7.30
+backward, stage 0          23.5 / 27.6  21.8 / 24.7  21.3 / 26.4
+backward, stage 1 (last)   24.9 / 29.4  23.2 / 24.6  23.2 / 26.3
+=========================  ===========  ===========  ===========
+
+The vectorised backward costs 6-24% more CPU than one request per call here (vmap has no batching
+rule for CPU attention and loops over the requests there), although a plain summed backward, which
+the per-micro-batch clip rules out, would cost 17-20% less (18.4-18.8 ms). The backward merge
+therefore stays off by default; it is meant for accelerators, where a small micro-batch leaves most
+of the device idle (not measured: no accelerator was available).
 """
 
 from __future__ import annotations
