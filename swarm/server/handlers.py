@@ -11,7 +11,9 @@ anything: a trainer checking another replica's reply (it passes the same per-cal
 
 A forward that carries a ``micro_batch_id`` is a training forward: the replica keeps its graph (see
 :mod:`swarm.server.forward_cache`) so that the micro-batch's backward, if it comes back here, need not
-recompute it. Such forwards run alone, not merged with others (see :mod:`swarm.server.batching`).
+recompute it. Such forwards run alone, not merged with others (see :mod:`swarm.server.batching`); every
+other forward, the last stage's included, is merged with those queued at the same time, and so are
+backwards on a peer that runs with ``merge_backward``.
 
 With the run's ``compression``, the replies of :data:`COMPRESSED_METHODS` (activations and their
 gradients, the bulk of a run's traffic) travel compressed; everything else a peer sends is exact,
@@ -111,17 +113,17 @@ class StageHandlers:
         before = _params_version(runner)
         peer.in_flight += 1
         try:
-            if runner.module.is_last:  # a loss per request: not mergeable
-                reply: Dict[str, Any] = {"loss": float(await peer.compute(runner.forward, inputs, targets))}
-            elif micro_batch_id is not None and runner.forward_cache.enabled:
-                reply = {"outputs": await peer.compute(runner.forward_train, micro_batch_id, inputs)}
+            if micro_batch_id is not None and runner.forward_cache.enabled and not runner.module.is_last:
+                reply: Dict[str, Any] = {"outputs": await peer.compute(runner.forward_train, micro_batch_id, inputs)}
             else:
                 runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
                 peer.queued += 1
                 try:
-                    reply = {"outputs": await batcher.forward(inputs)}
+                    outputs = await batcher.forward(inputs, targets)
                 finally:
                     peer.queued -= 1
+                # the last stage's per-token losses: the request's loss is their mean, merged or alone
+                reply = {"loss": float(outputs.mean())} if runner.module.is_last else {"outputs": outputs}
         finally:
             peer.in_flight -= 1
         _stamp(reply, "step", runner, before)
@@ -137,10 +139,16 @@ class StageHandlers:
         peer.in_flight += 1
         await steps.wait_for_room(samples)
         before = _params_version(runner)
+        args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
         try:
-            grad_inputs, loss, step = await peer.compute(
-                runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
-                request.get("targets"))
+            if peer.backward_batcher is not None:
+                peer.queued += 1
+                try:
+                    grad_inputs, loss, step = await peer.backward_batcher.backward(*args)
+                finally:
+                    peer.queued -= 1
+            else:
+                grad_inputs, loss, step = await peer.compute(runner.backward, *args)
         finally:
             peer.in_flight -= 1
             steps.release(samples)
