@@ -121,6 +121,10 @@ class PeerRecord(_Record):
     # bit i of tentative_bits: applied step contributed_base - i was averaged by less than a majority of the
     # stage, so a resync may still drop it; whether it kept this replica's gradients is not known yet
     tentative_bits: int = Field(default=0, ge=0, lt=2**CONTRIBUTION_WINDOW)
+    # states this replica adopted (each drops the gradients it held), and the lowest step whose gradients the
+    # latest adoption dropped: a trainer re-sends a micro-batch taken before an adoption unless it was below
+    resets: int = Field(default=0, ge=0, le=MAX_COUNT)
+    reset_from: int = Field(default=0, ge=0, le=MAX_COUNT)
     run_hash: str = Field(default="", max_length=16)  # hash of the run settings: tells runs apart
     # stage-mates this replica banned from averaging (for lying), comma-separated, most recent first: trainers
     # stop sending work to a replica that most of its stage-mates banned

@@ -23,6 +23,8 @@ class FakeRecord:
     step: int = 3
     accum_step: int = 3
     samples_frozen: int = 0
+    resets: int = 0
+    reset_from: int = 0
     contributed: Dict[int, bool] = field(default_factory=dict)
     tentative: Tuple[int, ...] = ()
 
@@ -69,6 +71,17 @@ def test_a_step_a_minority_of_the_stage_averaged_is_waited_for_while_its_holder_
     leaving = record("a", state="leaving", contributed={2: True}, tentative=(2,))
     assert decide(ITEM, leaving, 0.0, None, POLICY) == "ask"
     assert decide(ITEM, leaving, 0.0, [False, False], POLICY) == "resend"
+
+
+def test_a_holder_that_adopted_a_state_since_is_believed_only_below_what_it_dropped():
+    # "a" took the micro-batch into step 2 at its first state (resets 0), then adopted another state
+    assert decide(ITEM, record("a", resets=1, reset_from=2, contributed={2: True}), 0.0, None, POLICY) == "resend"
+    assert decide(ITEM, record("a", resets=1, reset_from=3, contributed={2: True}), 0.0, None, POLICY) == "commit"
+    assert decide(ITEM, record("a", resets=1, reset_from=3, step=2, accum_step=2), 0.0, None, POLICY) == "wait"
+    # two adoptions: what the first dropped is not known any more
+    assert decide(ITEM, record("a", resets=2, reset_from=3, contributed={2: True}), 0.0, None, POLICY) == "resend"
+    # the same step number on the new lineage says nothing of this micro-batch
+    assert decide(ITEM, record("a", resets=1, reset_from=0, step=5, contributed={2: True}), 0.0, None, POLICY) == "resend"
 
 
 def test_a_holder_missing_from_one_read_is_waited_for_until_its_grace_ends():

@@ -138,7 +138,7 @@ class StageHandlers:
         steps, runner = peer.steps, peer.runner
         peer.in_flight += 1
         await steps.wait_for_room(samples)
-        before = _params_version(runner)
+        before, resets = _params_version(runner), runner.resets
         args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
         try:
             if peer.backward_batcher is not None:
@@ -153,19 +153,23 @@ class StageHandlers:
             peer.in_flight -= 1
             steps.release(samples)
         peer.notify_progress()
-        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
+        # the adoptions counted before the work was queued: if one came meanwhile, the work may have landed
+        # before it (and been dropped) or after; the older count makes the trainer re-send it in doubt
+        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before,
+                                                                            resets))
 
     async def _verify_backward(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""
         peer, runner = self.peer, self.peer.runner
         peer.in_flight += 1
-        before = _params_version(runner)
+        before, resets = _params_version(runner), runner.resets
         try:
             grad_inputs, loss, step = await peer.compute(
                 runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False)
         finally:
             peer.in_flight -= 1
-        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
+        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before,
+                                                                            resets))
 
     async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The peer's record, plus what its compute did: forward passes run, backward passes that recomputed
@@ -203,8 +207,8 @@ class StageHandlers:
 
 
 def _backward_reply(grad_inputs: Optional[torch.Tensor], loss: Optional[float], step: int, runner: "StageRunner",
-                    before: Tuple[int, str]) -> Dict[str, Any]:
-    reply: Dict[str, Any] = {"step": step}
+                    before: Tuple[int, str], resets: int) -> Dict[str, Any]:
+    reply: Dict[str, Any] = {"step": step, "resets": resets}
     if grad_inputs is not None:
         reply["grad_inputs"] = grad_inputs
     if loss is not None:

@@ -117,6 +117,9 @@ class StageRunner:
         self.step = 0  # global steps applied to the parameters
         self.accum_step = 0  # the step that new gradients accumulate into
         self.samples_applied = 0  # samples inside all applied steps
+        # states adopted so far, and the lowest step whose gradients the latest adoption dropped: a trainer
+        # whose micro-batch this replica took before an adoption learns from these whether it may be gone
+        self.resets, self.reset_from = 0, 0
         self.samples_pending = 0
         self.pending_ids: Set[str] = set()
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
@@ -484,8 +487,13 @@ class StageRunner:
     def state_metadata(self) -> Dict[str, int]:
         return {"stage": self.stage_index, "step": self.step, "samples_applied": self.samples_applied}
 
-    def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor]) -> None:
-        """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients."""
+    def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor], dropped_from: Optional[int] = None
+                   ) -> None:
+        """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients.
+
+        Counts the adoption in ``resets`` and sets ``reset_from`` to the lowest step whose gradients it drops:
+        those accumulated or frozen here, the steps from the adopted one on (applied on another lineage),
+        and ``dropped_from`` (the caller's applied steps that the adopted state does not hold)."""
         num = len(self.params)
         if metadata.get("stage") != self.stage_index or len(tensors) != 3 * num + 1:
             raise ValueError(f"{self.where}: state of stage {metadata.get('stage')} with {len(tensors)} tensors does not fit")
@@ -504,13 +512,12 @@ class StageRunner:
                 state["exp_avg_sq"].copy_(tensors[num + 2 * i + 1])
                 state["step"].fill_(float(tensors[-1][0]))
             new_step = int(metadata["step"])
-            if new_step != self.accum_step:
-                # the swarm stepped past what we accumulated without us: drop it (trainers re-send it,
-                # since we are not among that step's contributors); gradients for the step the
-                # loaded state is at are kept
-                self.grad_sum = [torch.zeros_like(p) for p in self.params]
-                self.samples_pending, self.pending_ids = 0, set()
-                self._deferred = []
+            lowest = [self.accum_step, new_step] + ([self.frozen.step] if self.frozen is not None else [])
+            self.resets, self.reset_from = self.resets + 1, min(lowest + ([dropped_from] if dropped_from is not None else []))
+            # what we accumulated was computed on parameters we give up: drop it (trainers re-send it)
+            self.grad_sum = [torch.zeros_like(p) for p in self.params]
+            self.samples_pending, self.pending_ids = 0, set()
+            self._deferred = []
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None
