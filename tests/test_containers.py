@@ -185,3 +185,28 @@ def test_a_compose_implementation_accepts_the_files():
         argv = [*compose, *(a for f in files for a in ("-f", str(f))), "config", "-q"]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, f"{' '.join(argv)}: {result.stderr}"
+
+
+def _benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("containers_benchmark", Path(REPO) / "benchmarks" / "containers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_reads_the_loss_and_the_steps_from_the_logs():
+    bench = _benchmark_module()
+    trainer_log = ("trainer_1 | Nov 24 23:57:43.826 [INFO] samples        0  loss None      0.0 samples/s  failed 0\n"
+                   "trainer_1 | Nov 24 23:57:48.903 [INFO] samples       56  loss 5.6120     24.6 samples/s  failed 0\n"
+                   "trainer_1 | Nov 24 23:58:04.691 [INFO] samples      224  loss 5.2462     12.0 samples/s  failed 0\n")
+    losses = bench.parse_losses(trainer_log)
+    assert losses == [bench.LossPoint(56, 5.612), bench.LossPoint(224, 5.2462)]
+    peer_log = "stage 1: global step 1 with 136 samples\nstage 0: global step 7 with 9 samples\nstage 1: global step 3 x\n"
+    assert bench.last_global_step(peer_log, stage=1) == 3 and bench.last_global_step("", stage=1) == 0
+    assert bench.verdict(losses, "not available")["ok"] and bench.verdict(losses, "ok")["ok"]
+    assert not bench.verdict(losses, "failed: connection refused")["ok"]
+    assert not bench.verdict(list(reversed(losses)), "ok")["loss_fell"]
+    assert not bench.verdict(losses[:1], "ok")["ok"] and not bench.verdict([], "ok")["ok"]
