@@ -174,9 +174,9 @@ def call_messages(t: Tensors) -> Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]
     return {
         "forward0": ({"micro_batch_id": "x:0", "inputs": t.tokens, "stage": 0}, {"outputs": t.hidden}),
         "backward1": ({"micro_batch_id": "x:0", "inputs": t.hidden, "targets": t.targets, "stage": 1},
-                      {"step": 0, "grad_inputs": t.grad, "loss": 5.0}),
+                      {"step": 0, "resets": 1, "grad_inputs": t.grad, "loss": 5.0}),
         "backward0": ({"micro_batch_id": "x:0", "inputs": t.tokens, "grad_outputs": t.grad, "stage": 0},
-                      {"step": 0}),
+                      {"step": 0, "resets": 1}),
         "forward1": ({"inputs": t.hidden, "targets": t.targets, "stage": 1}, {"loss": 5.0}),
     }
 

@@ -68,6 +68,13 @@ def main(argv: list) -> int:
     print("wall_s: whole experiment (optimum + both runs) per seed; one run for the ablations")
     rebalanced = [s["fraction_of_optimal_rebalanced"] for s in paper]
     static = [s["fraction_of_optimal_static"] for s in paper]
+    steps = paper[0]["steps"]
+    if steps is not None:
+        print(f"global steps, seed 0 (rebalanced): {steps['global_steps_per_hour']}/h, samples per step "
+              f"{steps['samples_per_step_mean']} +- {steps['samples_per_step_std']} for target {steps['target_batch_size']} "
+              f"(p5 {steps['samples_per_step_p5']}, p95 {steps['samples_per_step_p95']}), waiting "
+              f"{steps['wait_replica_s']} replica-s ({steps['wait_fraction_of_replica_time']} of replica time) "
+              f"{steps['wait_replica_s_by_cause']}")
     result = {
         "fraction_of_optimal_rebalanced": round(statistics.mean(rebalanced), 4),
         "fraction_of_optimal_static": round(statistics.mean(static), 4),
@@ -79,6 +86,7 @@ def main(argv: list) -> int:
         "ablation_seed0_rebalanced_random_join": ablation["rebalanced_random_join"][0],
         "ablation_seed0_rebalanced_random_join_moves": ablation["rebalanced_random_join"][1],
         "moves_per_seed": [s["moves"] for s in paper],
+        "steps_seed0": steps,
         "optimum_inexact": sum(s["optimum_inexact"] for s in paper),
         "settings": {key: paper[0][key] for key in (
             "peers", "stages", "hours", "rebalance_period_s", "rebalance_min_gain",

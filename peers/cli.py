@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "bootstrap": ("peers.bootstrap", "run a DHT entry point for others to join; with --manifest, organise a run"),
     "demo": ("peers.demo", "start a whole swarm on 127.0.0.1 and train for a while"),
     "status": ("peers.status", "watch a run's peers and trainers from the DHT"),
+    "dashboard": ("peers.dashboard", "serve a live web page of a run: stages, peers, trainers, loss, how to join"),
     "plan": ("peers.plan", "allocate stages over a heterogeneous network"),
     "simulate": ("peers.simulate", "discrete-event simulation of a swarm under churn"),
 }

@@ -28,16 +28,22 @@ def _run_flags(config: DemoConfig) -> List[str]:
             *(["--stage_layers", ",".join(map(str, model.stage_layers))] if model.stage_layers else [])]
 
 
-def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
-    processes: List[RoleProcess] = []
+def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]) -> None:
+    """Start every role, appending each to ``processes`` as it starts, so the caller stops them all even when
+    one fails to come up."""
     boot = RoleProcess("bootstrap", ["--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages)],
                        log_dir, "bootstrap")
     processes.append(boot)
     maddrs = boot.wait_event("bootstrap_ready", config.startup_timeout_s)["maddrs"]
+    if config.dashboard_port >= 0:  # started first, so that its page shows the peers as they join
+        processes.append(RoleProcess("dashboard", [
+            "--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages), "--initial_peers",
+            ",".join(maddrs), "--port", str(config.dashboard_port), "--period_s", "1"], log_dir, "dashboard"))
     common = [*_run_flags(config), "--initial_peers", ",".join(maddrs)]
     peers = [RoleProcess("peer", ["--stage", str(stage), *common], log_dir, f"peer_s{stage}_{i}")
              for stage in range(config.run.num_stages) for i in range(config.peers_per_stage)]
     processes += peers
+    _announce_dashboard(processes)  # while the peers start: the page shows them joining
     for peer in peers:  # a replica joining a stage downloads its state first; start trainers once all serve
         peer.wait_event("peer_ready", config.startup_timeout_s)
     trainer_flags = ["--duration_s", str(config.duration_s), "--batch_size", str(config.batch_size),
@@ -46,7 +52,6 @@ def _start_swarm(config: DemoConfig, log_dir: Path) -> List[RoleProcess]:
         trainer_flags += ["--max_data_mb", str(config.max_data_mb)]
     processes += [RoleProcess("train", [*common, *trainer_flags, "--trainer_seed", str(i + 1)], log_dir, f"trainer{i}")
                   for i in range(config.num_trainers)]
-    return processes
 
 
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
@@ -67,6 +72,17 @@ async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleP
         dht.shutdown()
 
 
+def _announce_dashboard(processes: List[RoleProcess]) -> None:
+    """Print where the run's web page is; a dashboard that failed (its port taken) does not stop the demo."""
+    for process in processes:
+        if process.role == "dashboard":
+            try:
+                print(f"dashboard: {process.wait_event('dashboard_ready', 30)['url']} (a live page of the run)", flush=True)
+            except TimeoutError:
+                reason = process.log_tail(3).strip().splitlines()
+                print(f"no dashboard: {reason[-1] if reason else 'it did not start'}", flush=True)
+
+
 async def demo(config: DemoConfig) -> int:
     stop = stop_event()
     log_dir = Path(config.work_dir)
@@ -75,7 +91,7 @@ async def demo(config: DemoConfig) -> int:
           f"{config.num_trainers} trainers, {config.duration_s:.0f}s of training; logs in {log_dir}/", flush=True)
     processes: List[RoleProcess] = []
     try:
-        processes = await asyncio.get_running_loop().run_in_executor(None, _start_swarm, config, log_dir)
+        await asyncio.get_running_loop().run_in_executor(None, _start_swarm, config, log_dir, processes)
         maddrs = processes[0].wait_event("bootstrap_ready", 1)["maddrs"]
         trainers = [p for p in processes if p.role == "train"]
         await _watch(config, maddrs, trainers, stop)

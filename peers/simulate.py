@@ -9,7 +9,7 @@ from typing import List
 
 from swarm.policy.rebalance import RebalanceConfig
 from swarm.simulate import SimConfig, run_experiment
-from swarm.simulate.config import DEFAULT_SIM_REBALANCE, JOIN_POLICY_NAMES
+from swarm.simulate.config import DEFAULT_SIM_REBALANCE, JOIN_POLICY_NAMES, StepSimConfig
 
 
 def _floats(text: str) -> tuple:
@@ -37,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="how joining peers choose a stage in the baseline run without rebalancing: 'random' = "
                         "uniformly, no load awareness (the SWARM paper's baseline); 'auto' = the live --stage auto "
                         "policy (the rebalanced run always uses it)")
+    st = d.steps
+    p.add_argument("--target_batch_size", type=int, default=st.target_batch_size,
+                   help="samples per global step (the step protocol runs in the rebalanced run)")
+    p.add_argument("--stage_param_mib", type=float, default=st.stage_param_mib,
+                   help="MiB of gradients each replica averages per step")
+    p.add_argument("--steps", choices=("true", "false"), default="true", help="simulate the global-step protocol")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line (last line)")
     return p
 
@@ -49,6 +55,8 @@ def main(argv: List[str]) -> int:
             throughput_list=args.throughputs, mean_lifetime_h=args.lifetime_h, join_rate_per_h=args.join_rate_per_h,
             crash_fraction=args.crash_fraction, num_trainers=args.trainers, trace_path=args.trace,
             static_join_policy=args.static_join,
+            steps=StepSimConfig(enabled=args.steps == "true", target_batch_size=args.target_batch_size,
+                                stage_param_mib=args.stage_param_mib),
             rebalance=RebalanceConfig(period_s=args.period_s, period_jitter=DEFAULT_SIM_REBALANCE.period_jitter,
                                       min_gain=args.min_gain, max_movers_per_period=args.max_movers))
     except ValueError as error:
@@ -68,6 +76,15 @@ def main(argv: List[str]) -> int:
               f"{summary['series_rebalanced'][i]:10.1f} {summary['series_static'][i]:7.1f}")
     print(f"fraction of optimal: rebalanced {summary['fraction_of_optimal_rebalanced']:.3f}, "
           f"static {summary['fraction_of_optimal_static']:.3f}; {summary['moves']} moves; {summary['wall_s']} s")
+    steps = summary["steps"]
+    if steps is not None:
+        print(f"global steps (rebalanced run): {steps['global_steps_per_hour']:.1f}/h; samples per step "
+              f"{steps['samples_per_step_mean']:.0f} +- {steps['samples_per_step_std']:.0f} (p5 "
+              f"{steps['samples_per_step_p5']:.0f}, p95 {steps['samples_per_step_p95']:.0f}) for a target of "
+              f"{steps['target_batch_size']}; waiting {steps['wait_replica_s']:.0f} replica-s "
+              f"({100 * steps['wait_fraction_of_replica_time']:.1f}% of replica time: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in steps["wait_replica_s_by_cause"].items())
+              + f"); {steps['steps_alone']} steps alone, {steps['resyncs']} resyncs")
     return 0
 
 

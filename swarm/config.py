@@ -102,7 +102,8 @@ class PeerConfig:
     averaging_timeout_s: float = 30.0  # seconds one all-reduce round may take
     state_download_timeout_s: float = 60.0  # seconds to download a stage's state from a replica
     overlap_averaging: bool = False  # keep computing the next step's gradients while a step is averaged: faster, but those gradients are one step stale
-    max_batch_samples: int = 512  # largest request (samples) this peer accepts
+    max_batch_samples: int = 512  # largest request (samples) this peer accepts, and the most samples merged into one module call
+    merge_backward: bool = False  # merge concurrent backward requests of one shape into one vectorised call, each micro-batch still clipped and accounted alone (costs more CPU than it saves on CPU; see swarm/server/batching.py)
     forward_cache_mb: float = 512.0  # MiB of training forwards' autograd state kept so that their backward skips recomputing the forward (oldest dropped first; 0 = always recompute)
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
     max_requests_per_caller: int = 64  # requests one caller may have in flight at this peer; more are answered 'busy'
@@ -216,9 +217,12 @@ class DemoConfig:
     log_period_s: float = 5.0  # seconds between status lines
     work_dir: str = "runs/demo"  # each process writes its log here
     startup_timeout_s: float = 120.0  # seconds to wait for every process to come up
+    dashboard_port: int = 8080  # TCP port of the run's live web page (swarm dashboard) on 127.0.0.1; 0 = any free port, -1 = none
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
+        if not -1 <= self.dashboard_port <= 65535:
+            raise ValueError(f"dashboard_port must be in -1..65535, got {self.dashboard_port}")
         for name in ("peers_per_stage", "num_trainers", "batch_size", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -216,8 +216,9 @@ class StageModule(nn.Module):
             self.ln_f.bias.zero_()
             self.lm_head.weight.normal_(0.0, _INIT_STD, generator=_generator(seed, "lm_head"))
 
-    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H], or the mean loss on the last stage."""
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean") -> torch.Tensor:
+        """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H], or on the last stage the mean loss
+        (``reduction="none"``: the loss of every token, [B, T], which a server splits between merged requests)."""
         if self.is_first:
             positions = torch.arange(inputs.shape[1], device=inputs.device)
             x = self.token_embedding(inputs) + self.position_embedding(positions)
@@ -229,8 +230,11 @@ class StageModule(nn.Module):
             return x
         if targets is None:
             raise ValueError("targets are required on the last stage")
+        if reduction not in ("mean", "none"):
+            raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
+        return losses if reduction == "mean" else losses.view(targets.shape)
 
     def check_inputs(self, inputs: torch.Tensor, targets: Optional[torch.Tensor]) -> None:
         """Raise ValueError describing the first problem with a request for this stage.

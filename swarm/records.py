@@ -48,7 +48,7 @@ __all__ = [
     "parse_entries",
     "parse_records",
     "record_id_of",
-    "update_contributed",
+    "update_contributed", "rewind_contributed",
     "run_schema",
     "run_schema_validator",
     "to_peer_infos",
@@ -118,6 +118,13 @@ class PeerRecord(_Record):
     # bit i of contributed_bits: this replica's own gradients were in applied step contributed_base - i
     contributed_base: int = Field(default=0, ge=0, le=MAX_COUNT)
     contributed_bits: int = Field(default=0, ge=0, lt=2**CONTRIBUTION_WINDOW)
+    # bit i of tentative_bits: applied step contributed_base - i was averaged by less than a majority of the
+    # stage, so a resync may still drop it; whether it kept this replica's gradients is not known yet
+    tentative_bits: int = Field(default=0, ge=0, lt=2**CONTRIBUTION_WINDOW)
+    # states this replica adopted (each drops the gradients it held), and the lowest step whose gradients the
+    # latest adoption dropped: a trainer re-sends a micro-batch taken before an adoption unless it was below
+    resets: int = Field(default=0, ge=0, le=MAX_COUNT)
+    reset_from: int = Field(default=0, ge=0, le=MAX_COUNT)
     run_hash: str = Field(default="", max_length=16)  # hash of the run settings: tells runs apart
     # stage-mates this replica banned from averaging (for lying), comma-separated, most recent first: trainers
     # stop sending work to a replica that most of its stage-mates banned
@@ -137,12 +144,18 @@ class PeerRecord(_Record):
         """Whether this replica's gradients were included in global step ``step`` (0-based, as
         ``accum_step`` counts): None when that is unknown (the step is not applied yet, or it is
         older than the window of ``CONTRIBUTION_WINDOW`` steps kept in the record)."""
-        if step < 0 or step >= self.step:
+        if step < 0 or step >= self.step or self.is_tentative(step):
             return None
         offset = self.contributed_base - step
         if not 0 <= offset < CONTRIBUTION_WINDOW:
             return None
         return bool(self.contributed_bits >> offset & 1)
+
+    def is_tentative(self, step: int) -> bool:
+        """Whether applied step ``step`` is on a lineage that may still be dropped: a minority of the stage
+        averaged it, and the replica has neither seen the stage's majority reach it nor given it up."""
+        offset = self.contributed_base - step
+        return 0 <= step < self.step and 0 <= offset < CONTRIBUTION_WINDOW and bool(self.tentative_bits >> offset & 1)
 
 
 class TrainerRecord(_Record):
@@ -176,15 +189,30 @@ class AccusationRecord(_Record):
 def update_contributed(base: int, bits: int, step: int, included: bool) -> Tuple[int, int]:
     """The ``(contributed_base, contributed_bits)`` of a replica after it applies global step ``step``.
 
-    Steps only increase; a jump of ``CONTRIBUTION_WINDOW`` or more forgets the whole window (those
-    steps were applied elsewhere, e.g. downloaded with the state)."""
-    if step < base or step < 0:
-        raise ValueError(f"steps only increase: step {step} applied after step {base}")
+    A jump of ``CONTRIBUTION_WINDOW`` or more forgets the whole window (those steps were applied
+    elsewhere, e.g. downloaded with the state). A step at or below ``base`` is a step applied again on
+    another lineage (the replica gave up its own and downloaded an older state of the stage's): the
+    bits of that step and of every later one are dropped first (see :func:`rewind_contributed`)."""
+    if step < 0:
+        raise ValueError(f"steps are non-negative, got {step}")
     if not 0 <= bits < 2**CONTRIBUTION_WINDOW:
         raise ValueError(f"contributed bits must fit in {CONTRIBUTION_WINDOW} bits, got {bits}")
+    if step <= base and bits:
+        base, bits = rewind_contributed(base, bits, step)
     shift = step - base
     bits = 0 if shift >= CONTRIBUTION_WINDOW else (bits << shift) & (2**CONTRIBUTION_WINDOW - 1)
     return step, (bits | 1) if included else (bits & ~1)
+
+
+def rewind_contributed(base: int, bits: int, step: int) -> Tuple[int, int]:
+    """Forget the bits of step ``step`` and of every later step: the steps a replica keeps after it adopts
+    a state at ``step`` (every step below it)."""
+    if step > base:
+        return base, bits
+    if step <= 0:
+        return 0, 0
+    shift = base - (step - 1)
+    return step - 1, bits >> shift if shift < CONTRIBUTION_WINDOW else 0
 
 
 # ---- who wrote a record ----

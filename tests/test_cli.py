@@ -29,7 +29,7 @@ def test_help_and_unknown_command():
     result = subprocess.run([sys.executable, "-m", "peers.cli", "--help"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0
-    for command in ("peer", "train", "bootstrap", "demo", "status", "plan", "simulate"):
+    for command in ("peer", "train", "bootstrap", "demo", "status", "dashboard", "plan", "simulate"):
         assert command in result.stdout
     result = subprocess.run([sys.executable, "-m", "peers.cli", "fly"], cwd=REPO, capture_output=True, text=True,
                             timeout=60)
@@ -76,7 +76,7 @@ def test_demo_runs_and_stops_everything(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "peers.cli", "demo", "--duration_s", "10", "--peers_per_stage", "1", "--num_trainers",
          "1", "--log_period_s", "3", "--max_data_mb", "1", "--target_batch_size", "32", "--run_id", run_id,
-         "--work_dir", str(tmp_path), *TINY_MODEL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+         "--work_dir", str(tmp_path), "--dashboard_port", "0", *TINY_MODEL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=180)
@@ -86,9 +86,10 @@ def test_demo_runs_and_stops_everything(tmp_path):
     assert proc.returncode == 0, output
     assert "samples/s" in output and "stopping every process" in output
     assert "trainer0: sent" in output
+    assert "dashboard: http://127.0.0.1:" in output, output
     leftovers = subprocess.run(["pgrep", "-f", run_id], capture_output=True, text=True).stdout.split()
     assert not leftovers, f"demo left processes behind: {leftovers}"
     logs = {path.name: path.read_text(errors="replace") for path in tmp_path.glob("*.log")}
-    assert len(logs) >= 4, sorted(logs)  # bootstrap, a peer per stage, the trainer
+    assert len(logs) >= 5, sorted(logs)  # bootstrap, the dashboard, a peer per stage, the trainer
     noisy = {name: text[-2000:] for name, text in logs.items() if "Traceback" in text or "never retrieved" in text}
     assert not noisy, f"a normal run and stop left tracebacks in the logs: {noisy}"

@@ -140,7 +140,7 @@ class FakeSteps:
     def distrust(self, peer_ids, why: str) -> None:
         self.distrusted += list(peer_ids)
 
-    def skipped(self, from_step: int, to_step: int) -> None:
+    def adopted(self, first_dropped: int, step: int) -> None:
         pass
 
 

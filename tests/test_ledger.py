@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import pytest
 import torch
@@ -23,10 +23,16 @@ class FakeRecord:
     step: int = 3
     accum_step: int = 3
     samples_frozen: int = 0
+    resets: int = 0
+    reset_from: int = 0
     contributed: Dict[int, bool] = field(default_factory=dict)
+    tentative: Tuple[int, ...] = ()
 
     def contributed_to(self, step: int) -> Optional[bool]:
-        return self.contributed.get(step)
+        return None if step in self.tentative else self.contributed.get(step)
+
+    def is_tentative(self, step: int) -> bool:
+        return step in self.tentative
 
 
 def record(peer_id: str, **kwargs) -> FakeRecord:
@@ -52,6 +58,30 @@ def test_the_holders_own_record_decides_first():
 def test_a_live_holder_that_has_not_applied_the_step_is_waited_for():
     assert decide(ITEM, record("a", step=2, accum_step=2), 0.0, None, POLICY) == "wait"
     assert decide(ITEM, record("a", step=1, accum_step=2, samples_frozen=8), 0.0, None, POLICY) == "wait"
+
+
+def test_a_step_a_minority_of_the_stage_averaged_is_waited_for_while_its_holder_serves():
+    tentative = record("a", contributed={2: True}, tentative=(2,))
+    assert decide(ITEM, tentative, 0.0, None, POLICY) == "wait"
+    assert decide(ITEM, tentative, 0.0, [False, False], POLICY) == "wait", "the majority's other lineage may yet win"
+    # the holder confirmed it, or dropped it for the majority's state (then it says so)
+    assert decide(ITEM, record("a", contributed={2: True}), 0.0, None, POLICY) == "commit"
+    assert decide(ITEM, record("a", contributed={2: False}), 0.0, None, POLICY) == "resend"
+    # a holder that leaves with a tentative step: its lineage leaves with it, the stage's replicas decide
+    leaving = record("a", state="leaving", contributed={2: True}, tentative=(2,))
+    assert decide(ITEM, leaving, 0.0, None, POLICY) == "ask"
+    assert decide(ITEM, leaving, 0.0, [False, False], POLICY) == "resend"
+
+
+def test_a_holder_that_adopted_a_state_since_is_believed_only_below_what_it_dropped():
+    # "a" took the micro-batch into step 2 at its first state (resets 0), then adopted another state
+    assert decide(ITEM, record("a", resets=1, reset_from=2, contributed={2: True}), 0.0, None, POLICY) == "resend"
+    assert decide(ITEM, record("a", resets=1, reset_from=3, contributed={2: True}), 0.0, None, POLICY) == "commit"
+    assert decide(ITEM, record("a", resets=1, reset_from=3, step=2, accum_step=2), 0.0, None, POLICY) == "wait"
+    # two adoptions: what the first dropped is not known any more
+    assert decide(ITEM, record("a", resets=2, reset_from=3, contributed={2: True}), 0.0, None, POLICY) == "resend"
+    # the same step number on the new lineage says nothing of this micro-batch
+    assert decide(ITEM, record("a", resets=1, reset_from=0, step=5, contributed={2: True}), 0.0, None, POLICY) == "resend"
 
 
 def test_a_holder_missing_from_one_read_is_waited_for_until_its_grace_ends():

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from swarm.policy.steps import (
     ReplicaClaim, StageView, clock_step, diverged, majority_state, must_wait, near_target, needs_resync, others_pending,
-    overclaimers, stage_is_full, step_alone, step_is_due, trusted_others,
+    overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
 )
 
 TARGET = 100
@@ -91,6 +91,40 @@ def test_a_lone_replica_steps_alone_after_failed_rounds():
     assert step_is_due(view(samples_pending=100, others=(claim(pending=0),)))  # a silent "replica" does not block closing
     assert not step_alone(failed_rounds=1, max_failed_rounds=2)
     assert step_alone(failed_rounds=2, max_failed_rounds=2)
+    silent = view(others=(claim(peer_id="A"), claim(peer_id="C")))
+    assert step_alone(2, 2, silent)
+
+
+def test_a_replica_the_stage_went_past_does_not_step_alone():
+    # A averaged our frozen step 3 without us and applied it: our answer is its state, not a lineage of our own
+    passed = view(others=(claim(peer_id="A", step=4, accum_step=4, digest="d4"),))
+    assert not step_alone(5, 2, passed)
+    assert needs_resync(passed)
+    # also when A's claims are ignored for a while: it still holds the stage's parameters
+    assert not step_alone(5, 2, replace(passed, others=(), voters=passed.others))
+    assert stage_mates(replace(passed, others=(), voters=passed.others)) == passed.others
+
+
+def test_a_step_averaged_by_a_minority_of_the_stage_is_tentative_until_the_majority_holds_it():
+    four = view(others=(claim(peer_id="A"), claim(peer_id="C"), claim(peer_id="D")))
+    assert not majority_group(2, four), "2 of 4 replicas are no majority"
+    assert majority_group(3, four)
+    assert majority_group(1, view()), "the only replica is the whole stage"
+    # rounds form majority groups only: 4 replicas are never split into two pairs
+    assert [min_group_size(view(others=tuple(claim(peer_id=str(i)) for i in range(n)))) for n in (1, 2, 3, 4)] == [2, 2, 3, 3]
+    # B stepped 3 -> 4 with a minority; the others still hold step 3 of the same lineage: nothing confirmed yet
+    ahead = replace(four, step=4, accum_step=4, digest="d4", history=((3, "d3"),))
+    assert confirmed_below(ahead) == 3, "the majority lags on our lineage: steps below 3 are on it"
+    # the majority caught up with B's state: step 3 is confirmed
+    caught_up = replace(ahead, others=tuple(replace(c, step=4, accum_step=4, digest="d4") for c in four.others))
+    assert confirmed_below(caught_up) == 4
+    # the majority went on another lineage at step 4: nothing of B's is confirmed (it will resync)
+    elsewhere = replace(ahead, others=tuple(replace(c, step=4, accum_step=4, digest="e4") for c in four.others))
+    assert confirmed_below(elsewhere) == 0 and needs_resync(elsewhere)
+    # no majority: 2 and 2
+    split = replace(ahead, others=(claim(peer_id="A", step=4, digest="d4"), claim(peer_id="C", step=4, digest="e4"),
+                                   claim(peer_id="D", step=4, digest="e4")))
+    assert confirmed_below(split) == 0
 
 
 def test_claims_are_capped_and_liars_are_found_and_ignored():

@@ -28,7 +28,7 @@ from swarm.dht_io import fetch_records, fetch_stage_records, store_record
 from swarm.identity import load_or_create_identity, peer_id_of
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_COUNT, PeerRecord, TrainerRecord, check_record, manifest_key, parse_records,
-    run_schema_validator, stage_key, trainers_key, update_contributed,
+    run_schema_validator, rewind_contributed, stage_key, trainers_key, update_contributed,
 )
 
 RUN_ID = f"rec{uuid.uuid4().hex[:6]}"
@@ -115,8 +115,33 @@ def test_update_contributed_shifts_the_window():
     assert update_contributed(base, bits, 4 + CONTRIBUTION_WINDOW, True) == (4 + CONTRIBUTION_WINDOW, 1)
     shifted = update_contributed(base, bits, 4 + CONTRIBUTION_WINDOW - 1, False)[1]  # step 0 at bit 63, step 4 out
     assert shifted == 1 << (CONTRIBUTION_WINDOW - 1), "bits leaving the window are dropped"
-    with pytest.raises(ValueError, match="only increase"):
-        update_contributed(4, bits, 3, True)
+    # step 3 applied again after a resync to an older state of another lineage: steps 3 and 4 of the old
+    # lineage are forgotten, steps 0-2 kept
+    assert update_contributed(base, bits, 3, False) == (3, 0b1000)
+    assert update_contributed(base, bits, 3, True) == (3, 0b1001)
+    with pytest.raises(ValueError):
+        update_contributed(4, bits, -1, True)
+
+
+def test_rewind_contributed_keeps_the_steps_below():
+    base, bits = 0, 0
+    for step in range(10):
+        base, bits = update_contributed(base, bits, step, step % 2 == 0)
+    assert rewind_contributed(base, bits, 12) == (base, bits), "nothing at or above step 12 to forget"
+    kept_base, kept = rewind_contributed(base, bits, 6)
+    record = peer_record("p", step=6, contributed_base=kept_base, contributed_bits=kept)
+    assert [record.contributed_to(s) for s in range(6)] == [True, False, True, False, True, False]
+    assert rewind_contributed(base, bits, 0) == (0, 0)
+
+
+def test_tentative_steps_are_not_known_yet():
+    base, bits = 0, 0
+    for step, included in [(10, True), (11, True), (12, False)]:
+        base, bits = update_contributed(base, bits, step, included)
+    record = peer_record("p", step=13, contributed_base=base, contributed_bits=bits, tentative_bits=0b10)
+    assert record.is_tentative(11) and not record.is_tentative(10) and not record.is_tentative(12)
+    assert [record.contributed_to(s) for s in (10, 11, 12)] == [True, None, False]
+    assert not record.is_tentative(13), "not applied yet"
 
 
 def test_contributed_to():

@@ -40,7 +40,7 @@ def honest_reply(method: str, message: Mapping[str, Any], num_stages: int) -> Di
     last = stage == num_stages - 1
     if method == "forward":
         return {"loss": 2.5} if last else {"outputs": torch.ones(inputs.shape[0], inputs.shape[1], HIDDEN)}
-    reply: Dict[str, Any] = {"step": 3}
+    reply: Dict[str, Any] = {"step": 3, "resets": 1}
     if last:
         reply["loss"] = 2.5
     if stage > 0:
@@ -205,17 +205,21 @@ def test_check_reply_accepts_honest_replies_and_names_the_problem():
     inputs = torch.ones(BATCH, SEQ, HIDDEN)
     ok = dict(stage=1, num_stages=3, inputs=inputs, hidden_size=HIDDEN)
     assert check_reply({"outputs": torch.ones(BATCH, SEQ, HIDDEN)}, method="forward", **ok) is None
-    assert check_reply({"step": 0, "grad_inputs": torch.zeros_like(inputs)}, method="backward", **ok) is None
-    assert check_reply({"step": 2}, method="backward", stage=0, num_stages=3, inputs=tokens()[0],
+    assert check_reply({"step": 0, "resets": 0, "grad_inputs": torch.zeros_like(inputs)}, method="backward", **ok) is None
+    assert check_reply({"step": 2, "resets": 3}, method="backward", stage=0, num_stages=3, inputs=tokens()[0],
                        hidden_size=HIDDEN) is None
+    assert "'resets' is missing" in check_reply({"step": 2}, method="backward", stage=0, num_stages=3,
+                                                inputs=tokens()[0], hidden_size=HIDDEN)
+    assert "'resets' is -1" in check_reply({"step": 2, "resets": -1}, method="backward", stage=0, num_stages=3,
+                                           inputs=tokens()[0], hidden_size=HIDDEN)
     assert check_reply({"loss": 3}, method="forward", stage=2, num_stages=3, inputs=inputs, hidden_size=HIDDEN) is None
     assert "dtype torch.float64" in check_reply({"outputs": torch.ones(BATCH, SEQ, HIDDEN, dtype=torch.float64)},
                                                 method="forward", **ok)
     assert "not a tensor" in check_reply({"outputs": [1.0]}, method="forward", **ok)
     assert "not a map" in check_reply([1], method="forward", **ok)
-    assert "'step' is True" in check_reply({"step": True, "grad_inputs": torch.zeros_like(inputs)},
+    assert "'step' is True" in check_reply({"step": True, "resets": 0, "grad_inputs": torch.zeros_like(inputs)},
                                            method="backward", **ok)
-    assert "'grad_inputs' is missing" in check_reply({"step": 1}, method="backward", **ok)
+    assert "'grad_inputs' is missing" in check_reply({"step": 1, "resets": 0}, method="backward", **ok)
     assert "'loss' is -1.0" in check_reply({"loss": -1.0}, method="forward", stage=2, num_stages=3, inputs=inputs,
                                            hidden_size=HIDDEN)
 

@@ -240,7 +240,7 @@ def honest_reply(method: str, message: Mapping[str, Any], num_stages: int) -> Di
             return {"loss": 2.5, "step": STEP}
         x = inputs.float() if inputs.ndim == 3 else inputs.float().unsqueeze(-1)
         return {"outputs": torch.sin(x.sum(-1, keepdim=True) + torch.arange(HIDDEN)), "step": STEP}
-    reply: Dict[str, Any] = {"step": STEP, "params_step": STEP}
+    reply: Dict[str, Any] = {"step": STEP, "params_step": STEP, "resets": 1}
     if last:
         reply["loss"] = 2.5
     if stage > 0:

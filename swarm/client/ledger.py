@@ -10,6 +10,10 @@ Only the replica that acknowledged a contribution (P, which said it went into it
 asked about it, and only what P itself says about s counts first (:func:`decide`):
 - P's record says whether its own gradients went into its applied step s
   (``contributed_to(s)``): True -> committed; False -> re-sent (P applied s without them);
+  while P marks s *tentative* (a minority of the stage averaged it, so P may yet give that lineage
+  up for the majority's state), the trainer waits: P later confirms s, or drops it and says False;
+- P adopted another replica's state since it took the micro-batch (``resets`` went up): the adoption
+  dropped what P held from ``reset_from`` on, so the micro-batch is re-sent unless it is provably below;
 - P is gone (its record missing for a grace period, so that one failed or partial DHT read
   does not look like a death), leaving, or moved to another stage, and never said: the stage's
   live replicas are asked which peers step s averaged (RPC ``step_members``); a strict majority
@@ -45,9 +49,14 @@ class ReplicaRecord(Protocol):
     step: int  # global steps applied to its parameters
     accum_step: int  # the step its backward passes accumulate into now
     samples_frozen: int  # samples of the previous step, being averaged now
+    resets: int  # states it adopted so far (each drops the gradients it held)
+    reset_from: int  # the lowest step whose gradients its latest adoption dropped
 
     def contributed_to(self, step: int) -> Optional[bool]:
         """Whether its own gradients went into its applied step ``step``; None if it cannot tell."""
+
+    def is_tentative(self, step: int) -> bool:
+        """Whether its applied step ``step`` may still be dropped (a minority of its stage averaged it)."""
 
 
 @dataclass
@@ -62,6 +71,7 @@ class Contribution:
     inputs: torch.Tensor
     grad_outputs: Optional[torch.Tensor] = None
     targets: Optional[torch.Tensor] = None
+    resets: int = 0  # the holder's count of adopted states when it took the micro-batch
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,10 @@ def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, a
     replica that answered: True (the step's members include the holder), False (they do not),
     None (that replica does not know the step)."""
     serving = holder is not None and holder.stage == item.stage
+    if serving and holder.resets != item.resets and not survived_reset(item, holder):
+        return "resend"  # the holder adopted another state since it took the micro-batch, dropping it
+    if serving and holder.state == "online" and holder.is_tentative(item.step):
+        return "wait"  # a minority of the stage averaged the step: it stands or is dropped once the stage agrees
     if serving:
         included = holder.contributed_to(item.step)
         if included is not None:
@@ -116,6 +130,14 @@ def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, a
     if serving and holder.state == "online":
         return "commit"  # it applied the step long ago and is still online: its own gradients were in it
     return "resend" if lost_s >= policy.lost_after_s else "wait"
+
+
+def survived_reset(item: "Contribution", holder: ReplicaRecord) -> bool:
+    """Whether the micro-batch is certainly still in the holder's steps although the holder adopted a state
+    since it took it: one adoption only, which dropped nothing below the micro-batch's step. After two or
+    more the dropped steps of the earlier ones are not known, so the micro-batch is re-sent (at worst it
+    counts twice; a lost one would not count at all)."""
+    return holder.resets == item.resets + 1 and item.step < holder.reset_from
 
 
 def parse_step_members(reply: Mapping[str, object], step: int) -> FrozenSet[str]:
@@ -179,10 +201,10 @@ class Ledger:
         """Whether every open contribution sits in a live replica's current or frozen step."""
         return all(_held(item, records.get(item.peer_id)) for item in self._open.values())
 
-    def resent(self, old: Contribution, peer_id: str, step: int) -> None:
-        """Record that ``old`` now lives in ``peer_id``'s step ``step``."""
+    def resent(self, old: Contribution, peer_id: str, step: int, resets: int = 0) -> None:
+        """Record that ``old`` now lives in ``peer_id``'s step ``step`` (taken at its ``resets``-th state)."""
         self.num_resent += 1
-        old.peer_id, old.step = peer_id, step
+        old.peer_id, old.step, old.resets = peer_id, step, resets
         self.add(old)
 
 

@@ -97,7 +97,7 @@ def check_reply(reply: Any, *, stage: int, num_stages: int, method: str, inputs:
         expected = (*tuple(inputs.shape[:2]), hidden_size)
         return _check_tensor(reply, "outputs", expected, HIDDEN_DTYPE)
     if method == "backward":
-        reasons = [_check_step(reply)]
+        reasons = [_check_count(reply, "step"), _check_count(reply, "resets")]
         if last:
             reasons.append(_check_loss(reply))
         if stage > 0:
@@ -128,10 +128,10 @@ def _check_loss(reply: Mapping) -> Optional[str]:
     return None
 
 
-def _check_step(reply: Mapping) -> Optional[str]:
-    step = reply.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        return "'step' is missing" if step is None else f"'step' is {step!r}, not a non-negative integer"
+def _check_count(reply: Mapping, key: str) -> Optional[str]:
+    value = reply.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        return f"'{key}' is missing" if value is None else f"'{key}' is {value!r}, not a non-negative integer"
     return None
 
 
@@ -358,10 +358,11 @@ class PipelineClient:
         if item.targets is not None:
             message["targets"] = item.targets
         reply, peer_id = await self.call_stage(item.stage, "backward", message, self.backward_timeout_s, prefer=prefer)
+        resets = reply["resets"]  # checked by check_reply
         if resend:
-            self.ledger.resent(item, peer_id, reply["step"])
+            self.ledger.resent(item, peer_id, reply["step"], resets)
             return reply
-        item.peer_id, item.step = peer_id, reply["step"]
+        item.peer_id, item.step, item.resets = peer_id, reply["step"], resets
         self.ledger.add(item)
         return await self._verified(item.stage, "backward", message, reply, peer_id, self.backward_timeout_s)
 

@@ -28,7 +28,7 @@ from typing import Collection, Dict, FrozenSet, Mapping, Optional, Sequence, Set
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "clock_step", "MAX_CLAIM_SHARE",
+    "overclaimers", "clock_step", "stage_mates", "min_group_size", "majority_group", "confirmed_below", "MAX_CLAIM_SHARE",
 ]
 
 # a replica's claimed pending samples count at most this multiple of its fair share of the global batch
@@ -102,6 +102,18 @@ def needs_resync(view: StageView) -> bool:
         step, _ = majority
         return step > view.step or majority not in view.history
     return any(claim.step > view.step for claim in view.others) or diverged(view)
+
+
+def confirmed_below(view: StageView) -> int:
+    """Steps below this one are on the lineage a strict majority of the stage holds: the majority holds
+    this replica's state, or a state this replica held at that step (it lags on this lineage). 0 when
+    there is no majority or it holds another lineage."""
+    majority = majority_state(view)
+    if majority is None:
+        return 0
+    if majority == (view.step, view.digest):
+        return view.step
+    return majority[0] if majority in view.history else 0
 
 
 def diverged(view: StageView) -> bool:
@@ -179,11 +191,36 @@ def clock_step(steps: Sequence[int]) -> int:
     return ordered[len(ordered) // 2]
 
 
-def step_alone(failed_rounds: int, max_failed_rounds: int) -> bool:
-    """Whether to apply a frozen step without the other replicas: none formed a group for it in
-    ``max_failed_rounds`` rounds (they are gone, stuck, or were never really there). A replica that
-    was merely slow notices the divergence by digest and downloads the stage's state."""
+def stage_mates(view: StageView) -> Tuple[ReplicaClaim, ...]:
+    """The other replicas that hold the stage's parameters (:attr:`StageView.voters`): those a step is
+    averaged with, even while their claims about pending work are ignored."""
+    return view.others if view.voters is None else view.voters
+
+
+def step_alone(failed_rounds: int, max_failed_rounds: int, view: Optional[StageView] = None) -> bool:
+    """Whether to apply the frozen step (``view.step``) without the other replicas: none formed a group
+    for it in ``max_failed_rounds`` rounds (they are gone, stuck, or were never really there). Not
+    while another replica is past that step: the stage went on without this one, whose answer is the
+    stage's state (:func:`needs_resync`), not a lineage of its own. A replica that was merely slow
+    notices the divergence by digest and downloads the stage's state."""
+    if view is not None and any(claim.step > view.step for claim in stage_mates(view)):
+        return False
     return failed_rounds >= max_failed_rounds
+
+
+def min_group_size(view: StageView) -> int:
+    """The smallest averaging group worth forming: a strict majority of the stage. Smaller groups would
+    split the stage into lineages (hivemind's matchmaking, pressed for time, happily pairs four replicas
+    off into two groups of two); a replica that finds no such group steps alone after failed rounds,
+    tentatively (:func:`majority_group`)."""
+    return (len(stage_mates(view)) + 1) // 2 + 1
+
+
+def majority_group(members: int, view: StageView) -> bool:
+    """Whether a group of ``members`` replicas that averaged a step is a strict majority of the stage
+    (this replica and its :func:`stage_mates`). A step a minority applied is tentative: the majority
+    may go on without it, and its members then give it up for the majority's state."""
+    return 2 * members > len(stage_mates(view)) + 1
 
 
 def overclaimers(claims: Mapping[str, int], gathered: Mapping[str, int], slack: float = 0.5) -> Set[str]:

@@ -37,7 +37,9 @@ class Announcer:
             samples_admitted=steps.admitted if steps is not None else 0,
             samples_applied=runner.samples_applied if runner else 0,
             digest=runner.digest if runner else "", samples_processed=runner.samples_processed if runner else 0,
-            contributed_base=base, contributed_bits=bits, run_hash=peer.run_hash,
+            contributed_base=base, contributed_bits=bits,
+            tentative_bits=steps.tentative_bits() if steps is not None else 0,
+            resets=runner.resets if runner else 0, reset_from=runner.reset_from if runner else 0, run_hash=peer.run_hash,
             excluded=",".join(steps.excluded()) if steps is not None else "", maddrs=",".join(peer.maddrs),
         )
 

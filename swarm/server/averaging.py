@@ -198,11 +198,15 @@ class StageAverager(DecentralizedAverager):
         return metadata, tensors, None
 
     async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
-                      matchmaking_timeout: float, timeout: float) -> Optional[RoundResult]:
+                      matchmaking_timeout: float, timeout: float, min_group_size: int = 2) -> Optional[RoundResult]:
         """One averaging round for ``step``: the combined gradients and who contributed, or None on failure.
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
-        quickly that a replica died and go on without it."""
+        quickly that a replica died and go on without it. A group smaller than ``min_group_size`` is
+        disbanded instead of averaged."""
+        if min_group_size < 2:
+            raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
+        self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(min_group_size))))
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
         mean_grads = self._fault.corrupt(list(mean_grads))  # an emulated attacker lies here; honest peers send theirs
         with self.get_tensors() as tensors:
@@ -270,6 +274,9 @@ class StageAverager(DecentralizedAverager):
             return  # an empty reply: hivemind's downloader moves on to the next peer
         async for message in super().rpc_download_state(request, context):
             yield message
+
+    async def _set_min_group_size(self, size: int) -> None:
+        self._matchmaking.min_group_size = size  # read by matchmaking when its time for a round is up
 
     async def _step(self, **kwargs: Any) -> None:
         self._follow_only_allowed_leaders()

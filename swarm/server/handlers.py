@@ -11,7 +11,9 @@ anything: a trainer checking another replica's reply (it passes the same per-cal
 
 A forward that carries a ``micro_batch_id`` is a training forward: the replica keeps its graph (see
 :mod:`swarm.server.forward_cache`) so that the micro-batch's backward, if it comes back here, need not
-recompute it. Such forwards run alone, not merged with others (see :mod:`swarm.server.batching`).
+recompute it. Such forwards run alone, not merged with others (see :mod:`swarm.server.batching`); every
+other forward, the last stage's included, is merged with those queued at the same time, and so are
+backwards on a peer that runs with ``merge_backward``.
 
 With the run's ``compression``, the replies of :data:`COMPRESSED_METHODS` (activations and their
 gradients, the bulk of a run's traffic) travel compressed; everything else a peer sends is exact,
@@ -111,17 +113,17 @@ class StageHandlers:
         before = _params_version(runner)
         peer.in_flight += 1
         try:
-            if runner.module.is_last:  # a loss per request: not mergeable
-                reply: Dict[str, Any] = {"loss": float(await peer.compute(runner.forward, inputs, targets))}
-            elif micro_batch_id is not None and runner.forward_cache.enabled:
-                reply = {"outputs": await peer.compute(runner.forward_train, micro_batch_id, inputs)}
+            if micro_batch_id is not None and runner.forward_cache.enabled and not runner.module.is_last:
+                reply: Dict[str, Any] = {"outputs": await peer.compute(runner.forward_train, micro_batch_id, inputs)}
             else:
                 runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
                 peer.queued += 1
                 try:
-                    reply = {"outputs": await batcher.forward(inputs)}
+                    outputs = await batcher.forward(inputs, targets)
                 finally:
                     peer.queued -= 1
+                # the last stage's per-token losses: the request's loss is their mean, merged or alone
+                reply = {"loss": float(outputs.mean())} if runner.module.is_last else {"outputs": outputs}
         finally:
             peer.in_flight -= 1
         _stamp(reply, "step", runner, before)
@@ -136,28 +138,38 @@ class StageHandlers:
         steps, runner = peer.steps, peer.runner
         peer.in_flight += 1
         await steps.wait_for_room(samples)
-        before = _params_version(runner)
+        before, resets = _params_version(runner), runner.resets
+        args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
         try:
-            grad_inputs, loss, step = await peer.compute(
-                runner.backward, micro_batch_id, request.get("inputs"), request.get("grad_outputs"),
-                request.get("targets"))
+            if peer.backward_batcher is not None:
+                peer.queued += 1
+                try:
+                    grad_inputs, loss, step = await peer.backward_batcher.backward(*args)
+                finally:
+                    peer.queued -= 1
+            else:
+                grad_inputs, loss, step = await peer.compute(runner.backward, *args)
         finally:
             peer.in_flight -= 1
             steps.release(samples)
         peer.notify_progress()
-        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
+        # the adoptions counted before the work was queued: if one came meanwhile, the work may have landed
+        # before it (and been dropped) or after; the older count makes the trainer re-send it in doubt
+        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before,
+                                                                            resets))
 
     async def _verify_backward(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""
         peer, runner = self.peer, self.peer.runner
         peer.in_flight += 1
-        before = _params_version(runner)
+        before, resets = _params_version(runner), runner.resets
         try:
             grad_inputs, loss, step = await peer.compute(
                 runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False)
         finally:
             peer.in_flight -= 1
-        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before))
+        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before,
+                                                                            resets))
 
     async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The peer's record, plus what its compute did: forward passes run, backward passes that recomputed
@@ -195,8 +207,8 @@ class StageHandlers:
 
 
 def _backward_reply(grad_inputs: Optional[torch.Tensor], loss: Optional[float], step: int, runner: "StageRunner",
-                    before: Tuple[int, str]) -> Dict[str, Any]:
-    reply: Dict[str, Any] = {"step": step}
+                    before: Tuple[int, str], resets: int) -> Dict[str, Any]:
+    reply: Dict[str, Any] = {"step": step, "resets": resets}
     if grad_inputs is not None:
         reply["grad_inputs"] = grad_inputs
     if loss is not None:

@@ -136,9 +136,10 @@ class Joining:
         """Load a downloaded state (ValueError if it does not fit the stage; nothing changes then)."""
         peer, runner = self.peer, self.peer.runner
         first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
-        await peer.compute(runner.load_state, metadata, tensors)
+        dropped_from = min(peer.steps.tentative, default=None) if peer.steps is not None else None
+        await peer.compute(runner.load_state, metadata, tensors, dropped_from)
         if peer.steps is not None:
-            peer.steps.skipped(first_dropped, runner.step)
+            peer.steps.adopted(first_dropped, runner.step)
         logger.info(f"stage {peer.stage}: downloaded state at step {runner.step} from {source}")
 
     # ---- with defences: the majority's state, verified ----

@@ -31,7 +31,7 @@ from swarm.records import PeerRecord
 from swarm.rpc import NAMESPACE, RPCServicer
 from swarm.server.announcer import Announcer
 from swarm.server.averaging import StageAverager
-from swarm.server.batching import ForwardBatcher
+from swarm.server.batching import BackwardBatcher, ForwardBatcher
 from swarm.server.checkpoints import Checkpointer
 from swarm.server.faults import STATE_FAULTS, corrupt_state
 from swarm.server.handlers import COMPRESSED_METHODS, StageHandlers
@@ -58,6 +58,7 @@ class StagePeer:
         self.runner: Optional[StageRunner] = None
         self.averager: Optional[StageAverager] = None
         self.batcher: Optional[ForwardBatcher] = None
+        self.backward_batcher: Optional[BackwardBatcher] = None  # None: backward requests run one per call
         self.steps: Optional[StepCoordinator] = None
         self.dialer: Optional[Dialer] = None  # connects p2pd to stage-mates at the addresses they announce
         self.maddrs: List[str] = []  # the addresses this peer announces
@@ -108,7 +109,9 @@ class StagePeer:
         self.stage, self.state = stage, "joining"
         self.runner = StageRunner(self.run, stage, self.config.device, self.config.delay_per_sample_s,
                                   forward_cache_bytes=int(self.config.forward_cache_mb * 2**20))
-        self.batcher = ForwardBatcher(self.runner.forward, self._executor, self.config.max_batch_samples)
+        self.batcher = ForwardBatcher(self.runner.forward_per_sample, self._executor, self.config.max_batch_samples)
+        if self.config.merge_backward:
+            self.backward_batcher = BackwardBatcher(self.runner.backward_batch, self._executor, self.config.max_batch_samples)
         self.steps = StepCoordinator(self)
         self.averager = self._make_averager()
         await self.announcer.announce()

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -37,6 +37,7 @@ from swarm.model import StageModule, build_stage
 from swarm.optimizer import make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
+from swarm.server.merged_backward import merged_backward, predictive_entropy
 
 __all__ = ["StageRunner", "FrozenStep", "ThroughputMeter", "parameter_digest"]
 
@@ -116,6 +117,9 @@ class StageRunner:
         self.step = 0  # global steps applied to the parameters
         self.accum_step = 0  # the step that new gradients accumulate into
         self.samples_applied = 0  # samples inside all applied steps
+        # states adopted so far, and the lowest step whose gradients the latest adoption dropped: a trainer
+        # whose micro-batch this replica took before an adoption learns from these whether it may be gone
+        self.resets, self.reset_from = 0, 0
         self.samples_pending = 0
         self.pending_ids: Set[str] = set()
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
@@ -131,6 +135,7 @@ class StageRunner:
         self.guard = ContributionGuard(poisoning or PoisoningConfig()) if run.defences else None
         self._deferred: List[Tuple[str, int, Sequence[torch.Tensor], float]] = []  # (trainer, batch, grads, norm) not added yet
         self._entropy: Optional[float] = None  # mean entropy of the last stage's latest predictions (nats)
+        self._merging = False  # a merged backward runs: it measures each request's entropy itself
         if self.guard is not None and self.module.is_last:
             self.module.lm_head.register_forward_hook(self._capture_entropy)
 
@@ -151,16 +156,22 @@ class StageRunner:
         return None if tensor is None else tensor.to(self.device)
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Stage output (hidden states, or the mean loss on the last stage) without touching gradients."""
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean") -> torch.Tensor:
+        """Stage output (hidden states, or the loss on the last stage: the mean, or with ``reduction="none"``
+        one per token) without touching gradients."""
         self.module.check_inputs(inputs, targets)
         start = time.perf_counter()
         with self.lock:
             self.num_forwards += 1
-            output = self.module(self._to_device(inputs), self._to_device(targets)).cpu()
+            output = self.module(self._to_device(inputs), self._to_device(targets), reduction).cpu()
         if not self.module.is_last:
             self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
         return output
+
+    def forward_per_sample(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """What merged forwards run: an output row per sample (hidden states, or the last stage's per-token
+        losses, whose mean over a request's own tokens is that request's loss, merged or alone)."""
+        return self.forward(inputs, targets, reduction="none")
 
     def forward_train(self, micro_batch_id: str, inputs: torch.Tensor) -> torch.Tensor:
         """The stage output of a training forward, keeping its graph for the micro-batch's backward
@@ -248,6 +259,97 @@ class StageRunner:
         loss = float(outputs.detach()) if self.module.is_last else None
         return grad_inputs, loss, accum_step
 
+    def backward_batch(self, requests: Sequence[Tuple[str, Any, Any, Any]]) -> List[object]:
+        """Several backward requests (``backward``'s first four arguments each); one result per request, in
+        order: ``backward``'s return value, or the exception that request failed with.
+
+        Requests that can share one vectorised pass (:mod:`swarm.server.merged_backward`) run merged; a
+        request whose forward graph is cached here, a micro-batch already accumulated or repeated in the
+        batch, and a malformed request run alone through :meth:`backward`."""
+        results: List[object] = [None] * len(requests)
+        with self.lock:
+            merged = self._mergeable(requests)
+            if len(merged) >= 2:
+                self._backward_merged(requests, merged, results)
+            else:
+                merged = []
+        if merged and self.delay_per_sample_s > 0:  # an emulated slower device, as in backward
+            time.sleep(self.delay_per_sample_s * sum(int(requests[i][1].shape[0]) for i in merged))
+        for i, request in enumerate(requests):
+            if i not in merged:
+                try:
+                    results[i] = self.backward(*request)
+                except Exception as e:
+                    results[i] = e
+        return results
+
+    def _mergeable(self, requests: Sequence[Tuple[str, Any, Any, Any]]) -> List[int]:
+        frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
+        chosen: List[int] = []
+        seen: Set[str] = set()
+        for i, (micro_batch_id, inputs, _, targets) in enumerate(requests):
+            try:
+                self.module.check_inputs(inputs, targets)
+            except ValueError:
+                continue
+            if (micro_batch_id in seen or micro_batch_id in self.pending_ids or micro_batch_id in frozen_ids
+                    or micro_batch_id in self.forward_cache
+                    or (chosen and inputs.shape != requests[chosen[0]][1].shape)):
+                continue
+            chosen.append(i)
+            seen.add(micro_batch_id)
+        return chosen
+
+    def _backward_merged(self, requests: Sequence[Tuple[str, Any, Any, Any]], chosen: List[int],
+                         results: List[object]) -> None:
+        """One vectorised backward for ``requests[chosen]``; each is checked, weighed, clipped and accounted
+        as :meth:`backward` would do it alone. Fills ``results``."""
+        start = time.perf_counter()
+        ids = [requests[i][0] for i in chosen]
+        batch = int(requests[chosen[0]][1].shape[0])
+        inputs = torch.stack([self._to_device(requests[i][1]) for i in chosen])
+        targets = torch.stack([self._to_device(requests[i][3]) for i in chosen]) if self.module.is_last else None
+        errors: Dict[int, Exception] = {}
+
+        def cotangents(outputs: torch.Tensor, entropies: Optional[torch.Tensor]) -> torch.Tensor:
+            if self.module.is_last:  # each request's loss weight, from its own loss and entropy
+                weights = []
+                for k, micro_batch_id in enumerate(ids):
+                    self._entropy = float(entropies[k])
+                    weights.append(self._loss_weight(micro_batch_id, outputs[k]))
+                return torch.tensor(weights, device=outputs.device)
+            rows = []
+            for k, i in enumerate(chosen):
+                try:
+                    _check_grad_outputs(requests[i][2], outputs[k], self.where)
+                    rows.append(self._to_device(requests[i][2]))
+                except ValueError as e:  # that request fails; the others go on
+                    errors[k] = e
+                    rows.append(torch.zeros_like(outputs[k]))
+            return torch.stack(rows)
+
+        self.num_forwards += 1
+        self.num_recomputed += len(chosen)
+        self._merging = True
+        try:
+            merged = merged_backward(self.module, inputs, targets, cotangents)
+        finally:
+            self._merging = False
+        for k, i in enumerate(chosen):
+            results[i] = errors[k] if k in errors else self._account_merged(ids[k], batch, merged, k)
+        kind = "forward_backward" if self.module.is_last else "backward"
+        self.meter.update(kind, batch * len(chosen), time.perf_counter() - start)
+
+    def _account_merged(self, micro_batch_id: str, batch: int, merged: Any, k: int) -> object:
+        param_grads = [g[k] for g in merged.param_grads]
+        if not all(bool(torch.isfinite(g).all()) for g in param_grads):
+            return ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
+        accum_step = self._accumulate(micro_batch_id, batch, param_grads)
+        self.samples_processed += batch
+        grad_inputs = None if merged.grad_inputs is None else merged.grad_inputs[k].cpu()
+        loss = float(merged.losses[k]) if merged.losses is not None else None
+        return grad_inputs, loss, accum_step
+
     def _accumulate(self, micro_batch_id: str, batch: int, param_grads: Sequence[torch.Tensor]) -> int:
         frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
         if micro_batch_id in self.pending_ids:
@@ -309,9 +411,10 @@ class StageRunner:
                               f"the largest had {ratio:.3g} times the per-sample bound's gradient norm")
 
     def _capture_entropy(self, module: torch.nn.Module, inputs: Tuple[torch.Tensor, ...], logits: torch.Tensor) -> None:
+        if self._merging:
+            return
         with torch.no_grad():
-            log_p = torch.log_softmax(logits.detach().float(), dim=-1)
-            self._entropy = float(-(log_p.exp() * log_p).sum(-1).mean())
+            self._entropy = float(predictive_entropy(logits))
 
     def _loss_weight(self, micro_batch_id: str, loss: torch.Tensor) -> float:
         """The weight of a last-stage micro-batch: records how far its loss exceeds the model's own
@@ -384,8 +487,13 @@ class StageRunner:
     def state_metadata(self) -> Dict[str, int]:
         return {"stage": self.stage_index, "step": self.step, "samples_applied": self.samples_applied}
 
-    def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor]) -> None:
-        """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients."""
+    def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor], dropped_from: Optional[int] = None
+                   ) -> None:
+        """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients.
+
+        Counts the adoption in ``resets`` and sets ``reset_from`` to the lowest step whose gradients it drops:
+        those accumulated or frozen here, the steps from the adopted one on (applied on another lineage),
+        and ``dropped_from`` (the caller's applied steps that the adopted state does not hold)."""
         num = len(self.params)
         if metadata.get("stage") != self.stage_index or len(tensors) != 3 * num + 1:
             raise ValueError(f"{self.where}: state of stage {metadata.get('stage')} with {len(tensors)} tensors does not fit")
@@ -404,13 +512,12 @@ class StageRunner:
                 state["exp_avg_sq"].copy_(tensors[num + 2 * i + 1])
                 state["step"].fill_(float(tensors[-1][0]))
             new_step = int(metadata["step"])
-            if new_step != self.accum_step:
-                # the swarm stepped past what we accumulated without us: drop it (trainers re-send it,
-                # since we are not among that step's contributors); gradients for the step the
-                # loaded state is at are kept
-                self.grad_sum = [torch.zeros_like(p) for p in self.params]
-                self.samples_pending, self.pending_ids = 0, set()
-                self._deferred = []
+            lowest = [self.accum_step, new_step] + ([self.frozen.step] if self.frozen is not None else [])
+            self.resets, self.reset_from = self.resets + 1, min(lowest + ([dropped_from] if dropped_from is not None else []))
+            # what we accumulated was computed on parameters we give up: drop it (trainers re-send it)
+            self.grad_sum = [torch.zeros_like(p) for p in self.params]
+            self.samples_pending, self.pending_ids = 0, set()
+            self._deferred = []
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None

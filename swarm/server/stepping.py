@@ -17,10 +17,12 @@ from hivemind.utils import get_logger
 
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, must_wait, near_target, needs_resync, overclaimers, step_alone, step_is_due,
-    trusted_others,
+    ReplicaClaim, StageView, confirmed_below, majority_group, min_group_size, must_wait, near_target, needs_resync, overclaimers,
+    stage_mates, step_alone, step_is_due, trusted_others,
 )
-from swarm.records import MAX_EXCLUDED, PeerRecord, excluded_by, update_contributed
+from swarm.records import (
+    CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
+)
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
@@ -35,6 +37,7 @@ MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica appli
 RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored after they proved false
 BAN_S = 3600.0  # seconds a replica caught lying in averaging stays banned (by this replica's averager too)
+TENTATIVE_S = 30.0  # seconds a step a minority averaged stays tentative before its replica stands by it
 
 
 class StepCoordinator:
@@ -53,6 +56,9 @@ class StepCoordinator:
         self.history: Deque[Tuple[int, str]] = deque(maxlen=HISTORY_STEPS)  # (step, digest) of our recent states
         self._clock_steps: Tuple[int, ...] = ()
         self._failed_rounds = 0
+        self._failed_step = -1  # the frozen step that _failed_rounds counts rounds for
+        self._silent: Set[str] = set()  # stage-mates distrusted for announcing themselves online but not averaging
+        self.tentative: Dict[int, float] = {}  # applied step a minority of the stage averaged -> when (majority_group)
 
     # ---- the view the policy decides on ----
 
@@ -136,6 +142,7 @@ class StepCoordinator:
         peer = self.peer
         self._observe(await peer.fetch_records())
         view = self.view()
+        self._confirm(view)
         if needs_resync(view):
             await self._resync(view)
             return
@@ -153,6 +160,7 @@ class StepCoordinator:
                                     f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}")
         for peer_id in false_states:
             self._state_distrusted[peer_id] = time.monotonic() + DISTRUST_S
+        self._failed_rounds = 0
         if delivered:
             self.history.clear()  # a state of the stage's lineage replaced ours
 
@@ -160,25 +168,33 @@ class StepCoordinator:
         peer = self.peer
         claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
         frozen = await peer.compute(peer.runner.freeze)
-        if not view.others:
+        if frozen.step != self._failed_step:
+            self._failed_step, self._failed_rounds = frozen.step, 0
+        mates = stage_mates(view)
+        if not mates:
             await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id])
             return
         gather = {"step": frozen.step, "samples": frozen.samples, "peer_id": peer.peer_id}
         started = time.monotonic()
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
-                    f"with {len(view.others)} other replicas")
+                    f"with {len(mates)} other replicas")
         result = await peer.averager.average(
             frozen.step, frozen.mean_grads, frozen.samples, gather,
-            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s)
+            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
+            min_group_size=min_group_size(view))
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
                     f"after {time.monotonic() - started:.2f}s")
         if result is None:
             self._failed_rounds += 1
-            if step_alone(self._failed_rounds, MAX_FAILED_ROUNDS):
+            # replicas that already failed to average a step alone with us get one round, not several
+            limit = 1 if {c.peer_id for c in mates} <= self._silent else MAX_FAILED_ROUNDS
+            if step_alone(self._failed_rounds, limit, view):
                 logger.warning(f"stage {peer.stage}: no replica averaged step {frozen.step} in {self._failed_rounds} "
                                f"rounds; applying it alone")
-                self.distrust([c.peer_id for c in view.others], "announced itself online but did not average")
-                await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id])
+                silent = [c.peer_id for c in mates]
+                self.distrust(silent, "announced itself online but did not average")
+                self._silent.update(silent)
+                await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id], tentative=True)
             return  # otherwise the frozen step stays: the next poll retries, or resyncs if others moved on
         gathered = result.gathered
         steps = {data.get("step") for data in gathered.values() if isinstance(data, dict)}
@@ -191,8 +207,11 @@ class StepCoordinator:
         liars = overclaimers(claims, samples)
         if liars:
             self.distrust(liars, "announced pending samples that its all-reduce contribution did not bear out")
-        included = [p for p in result.included if p in samples]  # the samples of every gradient that went in,
-        await self.apply(result.tensors, sum(samples[p] for p in included), sorted(included))  # whatever its weight
+        self._silent.difference_update(gathered)
+        # the samples of every gradient that went in, whatever its weight
+        included = [p for p in result.included if p in samples]
+        await self.apply(result.tensors, sum(samples[p] for p in included), sorted(included),
+                         tentative=not majority_group(len(set(gathered) - set(result.banned)), view))
 
     def _report_exclusions(self, result) -> None:
         """Log whom a robust round left out, and stop believing the claims of those it banned."""
@@ -218,16 +237,60 @@ class StepCoordinator:
         self._banned = {p: t for p, t in self._banned.items() if now - t < BAN_S}
         return list(reversed(self._banned))[:MAX_EXCLUDED]
 
-    async def apply(self, mean_grads: Sequence, total_samples: int, members: List[str]) -> None:
-        """Apply the frozen step with the group's mean gradient, remember who contributed, announce."""
+    async def apply(self, mean_grads: Sequence, total_samples: int, members: List[str], tentative: bool = False) -> None:
+        """Apply the frozen step with the group's mean gradient, remember who contributed, announce.
+
+        ``tentative``: a minority of the stage averaged the step; trainers wait before they count its
+        samples (:attr:`PeerRecord.tentative_bits`) until :meth:`_confirm` or :meth:`adopted` settles it."""
         peer = self.peer
         step = peer.runner.frozen.step
         self.history.append((peer.runner.step, peer.runner.digest))
         await peer.compute(peer.runner.apply, mean_grads, total_samples)
         self._failed_rounds = 0
         self.remember(step, members)
-        logger.info(f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas")
+        if tentative:
+            self.tentative[step] = time.monotonic()
+        logger.info(f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas"
+                    f"{' (tentative: a minority of the stage)' if tentative else ''}")
         await peer.announcer.announce()
+
+    def _confirm(self, view: StageView) -> None:
+        """Settle the tentative steps that the stage's majority now holds (its state descends from them),
+        and those that no majority confirmed or replaced within ``TENTATIVE_S``: a stage without a majority
+        (or with replicas that announce a state they never average) must not hold its trainers' accounting
+        back for ever."""
+        if not self.tentative:
+            return
+        below, now = confirmed_below(view), time.monotonic()
+        stale = sorted(step for step, at in self.tentative.items() if step >= below and now - at > TENTATIVE_S)
+        if stale:
+            logger.info(f"stage {self.peer.stage}: standing by steps {stale}: no majority of the stage confirmed or "
+                        f"replaced them in {TENTATIVE_S:.0f}s")
+        self.tentative = {step: at for step, at in self.tentative.items() if step >= below and step not in stale}
+
+    def tentative_bits(self) -> int:
+        """:attr:`PeerRecord.tentative_bits` for the current ``contributed`` window."""
+        base, bits = self.contributed[0], 0
+        for step in self.tentative:
+            if 0 <= base - step < CONTRIBUTION_WINDOW:
+                bits |= 1 << (base - step)
+        return bits
+
+    def adopted(self, first_dropped: int, step: int) -> None:
+        """The replica gave up its own state for the stage's state at ``step``: its tentative steps are
+        dropped (their gradients are in no step the stage keeps), and so are the gradients it held from
+        ``first_dropped`` on."""
+        base, bits = self.contributed
+        if step <= base:
+            base, bits = rewind_contributed(base, bits, step)
+        for dropped in self.tentative:
+            if dropped < step and 0 <= base - dropped < CONTRIBUTION_WINDOW:
+                bits &= ~(1 << (base - dropped))
+        for dropped in [s for s in self.members if s >= step or s in self.tentative]:
+            del self.members[dropped]  # the members of another lineage's steps say nothing of the stage's
+        self.contributed, self.tentative = (base, bits), {}
+        self._failed_rounds = 0
+        self.skipped(first_dropped, step)
 
     def remember(self, step: int, members: List[str]) -> None:
         """Record the members of an applied step (for trainers that ask) and whether ours were among them."""

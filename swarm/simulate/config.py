@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 
 from swarm.policy.rebalance import RebalanceConfig
 
-__all__ = ["SimConfig", "DEFAULT_SIM_REBALANCE", "JOIN_POLICY_NAMES"]
+__all__ = ["SimConfig", "StepSimConfig", "DEFAULT_SIM_REBALANCE", "JOIN_POLICY_NAMES"]
 
 JOIN_POLICY_NAMES = ("auto", "random")  # see static_join_policy
 
@@ -23,6 +23,36 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class StepSimConfig:
+    """The global-step protocol in the simulator (:mod:`swarm.simulate.stepping`); defaults follow the live peer."""
+
+    enabled: bool = True  # run the step protocol (in the rebalanced run)
+    target_batch_size: int = 4096  # samples per global step, summed over the clock stage's replicas
+    poll_period_s: float = 0.25  # seconds between a replica's checks near the target (live poll_period_s)
+    announce_period_s: float = 1.0  # seconds between checks (and announcements) far from the target
+    idle_check_period_s: float = 60.0  # most seconds between two checks of a stage
+    matchmaking_time_s: float = 2.0  # seconds replicas wait to form an all-reduce group; a failed round costs 3x
+    stage_param_mib: float = 100.0  # MiB of gradients a replica averages (it sends and receives ~2x this)
+    max_failed_rounds: int = 2  # rounds without a group before a replica applies a step alone (live value)
+    distrust_s: float = 120.0  # seconds a replica's claims are ignored once they proved false (live value)
+    resync_time_s: float = 60.0  # seconds a replica spends downloading the stage's state when out of sync
+    stalled_peers: Tuple[str, ...] = ()  # peers that announce themselves online but never average (frozen replicas)
+
+    def __post_init__(self) -> None:
+        for name in ("target_batch_size", "max_failed_rounds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"steps.{name} must be an int >= 1, got {value!r}")
+        for name in ("poll_period_s", "announce_period_s", "idle_check_period_s", "matchmaking_time_s",
+                     "distrust_s"):
+            _positive(f"steps.{name}", getattr(self, name))
+        for name in ("stage_param_mib", "resync_time_s"):
+            _positive(f"steps.{name}", getattr(self, name), allow_zero=True)
+        if not all(isinstance(p, str) and p for p in self.stalled_peers):
+            raise ValueError(f"steps.stalled_peers must be peer ids, got {self.stalled_peers!r}")
 
 
 @dataclass(frozen=True)
@@ -63,6 +93,7 @@ class SimConfig:
     # unbalances the stages over time); "auto" = the live --stage auto policy, which alone
     # keeps a large swarm nearly balanced. The rebalanced run always joins with "auto".
     static_join_policy: str = "random"
+    steps: StepSimConfig = field(default_factory=StepSimConfig)
 
     def __post_init__(self) -> None:
         for name in ("num_peers", "num_stages", "num_trainers", "max_inflight_per_trainer", "microbatch_size"):
@@ -94,6 +125,8 @@ class SimConfig:
             raise ValueError(f"static_join_policy must be one of {JOIN_POLICY_NAMES}, got {self.static_join_policy!r}")
         if not isinstance(self.rebalance, RebalanceConfig):
             raise ValueError("rebalance must be a RebalanceConfig")
+        if not isinstance(self.steps, StepSimConfig):
+            raise ValueError("steps must be a StepSimConfig")
 
     @property
     def duration_s(self) -> float:

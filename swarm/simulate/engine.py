@@ -25,6 +25,10 @@ and integrated over the interval (a fluid approximation):
   ``random`` join policy (the paper's no-rebalancing baseline) joining peers instead pick
   a stage uniformly, with no load awareness.
 
+* Global steps (with ``config.steps.enabled`` and ``steps=True``): the live step policy runs
+  on each simulated stage (:mod:`swarm.simulate.stepping`), fed the samples/s the flow sends each
+  replica; the run's :class:`RunResult` then carries its :class:`StepReport`.
+
 Cost (what makes 1,000 peers for 24 h take seconds): the flow is a function of the
 routing state alone, so it is recomputed only when simulated time advances past an event
 that changed it (many events share a timestamp, and most, such as rebalancing ticks that
@@ -41,7 +45,7 @@ import random
 
 import numpy as np
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from swarm.policy.rebalance import choose_stage_for_new_peer, next_period_s, plan_moves
 from swarm.policy.routing import Router
@@ -49,6 +53,7 @@ from swarm.policy.snapshot import PeerInfo
 from swarm.simulate.churn import ChurnEvent
 from swarm.simulate.config import JOIN_POLICY_NAMES, SimConfig
 from swarm.simulate.network import Hardware, effective_units, hop_time_s, trainer_cap
+from swarm.simulate.stepping import StepReport, StepSim
 
 __all__ = ["JOIN_POLICIES", "RunResult", "simulate_run"]
 
@@ -69,6 +74,7 @@ class RunResult:
     num_moves: int = 0
     trainer_bound_s: float = 0.0
     series: List[Tuple[float, float, float]] = field(default_factory=list)
+    steps: Optional[StepReport] = None  # the global-step protocol, when simulated
 
     @property
     def fraction_of_optimal(self) -> float:
@@ -92,6 +98,7 @@ class _Peer:
 class _StageFlow:
     """One stage as trainers see it: routing shares and live capacities of its routable replicas."""
 
+    peer_ids: Tuple[str, ...]  # the routable replicas, in the order of the arrays
     shares: np.ndarray  # probability that a micro-batch goes to each replica (Router.distribution)
     caps: np.ndarray  # samples/s each replica can serve now (0 once crashed)
     hop_s: float  # expected seconds a micro-batch spends at this stage
@@ -102,7 +109,7 @@ class _Run:
     """One simulated run; the heap holds (time_s, seq, kind, peer_id, payload)."""
 
     def __init__(self, config: SimConfig, churn: Sequence[ChurnEvent], optimum: Sequence[Tuple[float, float]],
-                 rebalancing: bool, join_policy: str) -> None:
+                 rebalancing: bool, join_policy: str, steps: bool = False) -> None:
         if join_policy not in JOIN_POLICIES:
             raise ValueError(f"join_policy must be one of {JOIN_POLICIES}, got {join_policy!r}")
         self.config, self.rebalancing, self.join_policy = config, rebalancing, join_policy
@@ -117,7 +124,8 @@ class _Run:
         self.online: List[Dict[str, PeerInfo]] = [{} for _ in range(config.num_stages)]
         self.version, self._plan_version, self._plan, self._plan_time = 0, -1, {}, -math.inf
         self._snapshot_version, self._snapshot = -1, []
-        empty = _StageFlow(np.zeros(0), np.zeros(0), 0.0, 0.0)
+        empty = _StageFlow((), np.zeros(0), np.zeros(0), 0.0, 0.0)
+        self._offered, self._completed = 0.0, 0.0  # samples/s offered to every stage, completed by the swarm
         self.stage_flows: List[_StageFlow] = [empty] * config.num_stages
         self.dirty = set(range(config.num_stages))  # stages whose routing must be recomputed
         self.heap: list = []
@@ -125,6 +133,8 @@ class _Run:
         for event in churn:
             self._push(event.time_s, event.kind, event.peer_id, event)
         self.result = RunResult(rebalancing, join_policy)
+        self.steps = StepSim(config.steps, config.num_stages, config.duration_s, self.stage_rates) \
+            if steps and config.steps.enabled else None
 
     def _push(self, time_s: float, kind: str, peer_id: str, payload=None) -> None:
         heapq.heappush(self.heap, (time_s, next(self.seq), kind, peer_id, payload))
@@ -155,14 +165,15 @@ class _Run:
         """Routing shares, live capacities (0 for crashed peers) and expected hop time of a stage."""
         options = self.router.distribution(list(self.online[stage].values()), now)
         if not options:
-            return _StageFlow(np.zeros(0), np.zeros(0), 0.0, 0.0)
+            return _StageFlow((), np.zeros(0), np.zeros(0), 0.0, 0.0)
         records, probabilities = zip(*options)
         peers = self.peers
         shares = np.array(probabilities)
         chosen = [peers[record.peer_id] for record in records]
         caps = np.array([peer.throughput if peer.alive else 0.0 for peer in chosen])
         hops = np.array([peer.hop_s for peer in chosen])
-        return _StageFlow(shares, caps, float(shares @ hops), float(caps.sum()))
+        return _StageFlow(tuple(record.peer_id for record in records), shares, caps, float(shares @ hops),
+                          float(caps.sum()))
 
     def flow(self, now: float) -> Tuple[float, bool]:
         """Samples/s completed by the whole pipeline now, and whether trainers are the limit.
@@ -177,6 +188,7 @@ class _Run:
         self.dirty.clear()
         flows = self.stage_flows
         offered = min(f.capacity for f in flows)
+        self._offered, self._completed = offered, 0.0
         if offered <= 0:
             return 0.0, False
         shares = np.concatenate([f.shares for f in flows])
@@ -184,7 +196,18 @@ class _Run:
         starts = np.cumsum([0] + [f.shares.size for f in flows[:-1]])
         completed = float(np.add.reduceat(np.minimum(offered * shares, caps), starts).min())
         cap, _ = trainer_cap([f.hop_s for f in flows], self.config)
-        return min(completed, cap), cap < completed
+        self._completed = min(completed, cap)
+        return self._completed, cap < completed
+
+    def stage_rates(self, stage: int) -> Dict[str, float]:
+        """Samples/s of completed micro-batches each routable replica of ``stage`` works on now: its share of
+        what the stage completes, scaled to what the whole pipeline completes (the flow's last computation)."""
+        f = self.stage_flows[stage]
+        done = np.minimum(self._offered * f.shares, f.caps)
+        total = float(done.sum())
+        if total <= 0:
+            return {}
+        return dict(zip(f.peer_ids, (done * (self._completed / total)).tolist()))
 
     # -- events ---------------------------------------------------------------------------
     def _join_stage(self) -> int:
@@ -209,6 +232,8 @@ class _Run:
             return
         peer.state = "online"
         self._announce(peer_id)
+        if self.steps is not None:
+            self.steps.join(peer_id, peer.stage, peer.hardware.bandwidth_mbps)
         if not peer.measured:
             self._push(now + self.config.measure_s, "measured", peer_id)
 
@@ -224,6 +249,8 @@ class _Run:
             return
         peer.state = "leaving"  # announced at once: trainers stop routing to it
         self._announce(peer_id)
+        if self.steps is not None:
+            self.steps.leave(peer_id)
         self._push(now + self.config.notice_s, "gone", peer_id)
 
     def on_crash(self, now: float, peer_id: str) -> None:
@@ -232,6 +259,8 @@ class _Run:
             return
         peer.alive = False  # its record still says what it last announced
         self.dirty.add(peer.stage)
+        if self.steps is not None:
+            self.steps.crash(peer_id)
         self._push(now + self.config.request_timeout_s, "detect", peer_id)
         self._push(now + self.config.dht_expiration_s, "gone", peer_id)
 
@@ -255,6 +284,8 @@ class _Run:
             return
         peer.in_dht = False
         self._announce(peer_id)
+        if self.steps is not None:
+            self.steps.leave(peer_id)
         del self.peers[peer_id]
         self.router.forget(peer_id)
 
@@ -274,6 +305,8 @@ class _Run:
         target = self._plan.get(peer_id)
         if target is None:
             return
+        if self.steps is not None:
+            self.steps.leave(peer_id)
         peer.stage, peer.state, peer.generation = target, "joining", peer.generation + 1
         self._announce(peer_id)
         self.result.num_moves += 1
@@ -298,6 +331,10 @@ class _Run:
             if time_s > now or kind == "sample":
                 if self.dirty:
                     flow, trainer_bound = self.flow(now)
+                    if self.steps is not None:
+                        self.steps.rates_changed()
+                if self.steps is not None:
+                    self.steps.advance(time_s)
                 result.samples += flow * (time_s - now)
                 result.trainer_bound_s += (time_s - now) if trainer_bound else 0.0
                 now = time_s
@@ -311,6 +348,9 @@ class _Run:
                 handlers[kind](now, peer_id)
         if self.dirty:
             flow, trainer_bound = self.flow(now)
+        if self.steps is not None:
+            self.steps.advance(horizon_s)
+            result.steps = self.steps.finish()
         result.samples += flow * (horizon_s - now)
         result.trainer_bound_s += (horizon_s - now) if trainer_bound else 0.0
         result.optimal_samples = _integrate(self.optimum, horizon_s)
@@ -326,10 +366,11 @@ def _integrate(steps: Sequence[Tuple[float, float]], horizon_s: float) -> float:
 
 
 def simulate_run(config: SimConfig, churn: Sequence[ChurnEvent], optimum: Sequence[Tuple[float, float]],
-                 rebalancing: bool, join_policy: str = "auto") -> RunResult:
+                 rebalancing: bool, join_policy: str = "auto", steps: bool = False) -> RunResult:
     """Simulate one run over ``churn``; ``optimum`` is the (time_s, samples/s) step function to compare with.
 
     ``rebalancing`` turns the periodic :func:`plan_moves` decisions on; ``join_policy``
-    (one of :data:`JOIN_POLICIES`) is how joining peers choose their stage.
+    (one of :data:`JOIN_POLICIES`) is how joining peers choose their stage; ``steps`` simulates the
+    global-step protocol too (if ``config.steps.enabled``).
     """
-    return _Run(config, churn, optimum, rebalancing, join_policy).run()
+    return _Run(config, churn, optimum, rebalancing, join_policy, steps).run()

@@ -66,12 +66,13 @@ def run_experiment(config: SimConfig) -> dict:
     """Run with rebalancing and without on the same churn; a JSON-ready summary.
 
     Rebalanced: peers join with the live ``--stage auto`` policy and re-plan every
-    ``config.rebalance.period_s``. Static: no moves, peers join by ``config.static_join_policy``.
+    ``config.rebalance.period_s``; it also runs the global-step protocol (``steps`` in the summary,
+    when ``config.steps.enabled``). Static: no moves, peers join by ``config.static_join_policy``.
     """
     started = time.perf_counter()
     churn = churn_for(config)
     timeline = optimum_timeline(config, churn)
-    rebalanced = simulate_run(config, churn, timeline.steps, rebalancing=True)
+    rebalanced = simulate_run(config, churn, timeline.steps, rebalancing=True, steps=True)
     static = simulate_run(config, churn, timeline.steps, rebalancing=False, join_policy=config.static_join_policy)
     return _summary(config, churn, timeline, rebalanced, static, time.perf_counter() - started)
 
@@ -106,4 +107,5 @@ def _summary(config: SimConfig, churn: Sequence[ChurnEvent], timeline: OptimumTi
         "series_rebalanced": [round(row[1], 2) for row in rebalanced.series],
         "series_static": [round(row[1], 2) for row in static.series],
         "series_optimal": [round(row[2], 2) for row in rebalanced.series],
+        "steps": rebalanced.steps.summary() if rebalanced.steps is not None else None,
     }

@@ -1,0 +1,138 @@
+"""``swarm dashboard``: a live web page of a run (stages, peers, trainers, loss and throughput charts, the
+global-step timeline, and the command a volunteer pastes to join), served from this process.
+
+The page polls ``/api/state`` (fields documented in :mod:`swarm.dashboard.state`); every asset ships in the
+package, so it works offline. With ``--join ADDRESS`` the run's settings come from its organiser's manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Tuple
+
+from peers._common import _add_join, _exit, _quiet_hivemind, emit, fail, fetch_run_manifest, setup_logging, stop_event
+from swarm.config import NetworkConfig
+from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
+from swarm.records import validate_run_id
+
+
+@dataclass
+class DashboardConfig:
+    """Which run to show, where to serve the page, and how often to read the DHT."""
+
+    run_id: str = "swarm_demo"  # the run to show (with --join: taken from the run's manifest)
+    num_stages: int = 2  # pipeline stages of that run (with --join: taken from the run's manifest)
+    host: str = "127.0.0.1"  # address the page is served on; 0.0.0.0 serves it to other machines too
+    port: int = 8080  # TCP port of the page; 0 = any free port (printed at start)
+    period_s: float = 2.0  # seconds between reads of the DHT
+    history_len: int = 1800  # points kept per chart (one per period_s: an hour at the default period)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+    def __post_init__(self) -> None:
+        validate_run_id(self.run_id)
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.period_s > 0:
+            raise ValueError(f"period_s must be positive, got {self.period_s}")
+        if self.history_len < 2:
+            raise ValueError(f"history_len must be at least 2, got {self.history_len}")
+
+
+def load_config(argv: Optional[Sequence[str]]) -> Tuple[DashboardConfig, Any, Optional[str]]:
+    """The config, the run's verified manifest (or None) and the ``--join`` address (or None); exits with
+    code 2 on a bad setting or one that contradicts the manifest, 1 when the manifest cannot be had."""
+    role = parse_role_args(DashboardConfig, argv, "swarm dashboard", "Serve a live web page of a swarm training run.",
+                           add_extras=_add_join)
+    settings, address = role.settings, role.extras.join
+    manifest = None
+    if address is not None:
+        from swarm.manifest import ManifestError, peer_id_in_address
+
+        try:
+            peer_id_in_address(address)
+        except ManifestError as e:
+            _exit(2, f"--join: {e}")
+        with _quiet_hivemind():
+            try:
+                manifest = asyncio.run(fetch_run_manifest(address))
+            except Exception as e:  # p2pd, the network and the manifest's checks each raise their own types
+                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                _exit(1, f"cannot get a trustworthy run manifest from {address}: {reason}")
+        run = manifest.run
+        for name, value in (("run_id", run.run_id), ("num_stages", run.num_stages)):
+            if name in settings and str(settings[name]) != str(value):
+                _exit(2, f"{name}: the run's manifest says {value}, this dashboard has {settings[name]}")
+        network = dict(settings.get("network") or {})
+        given = network.get("initial_peers") or []
+        given = [item for item in given.split(",") if item] if isinstance(given, str) else list(given)
+        network["initial_peers"] = [address] + [peer for peer in given if peer != address]
+        settings = {**settings, "run_id": run.run_id, "num_stages": run.num_stages, "network": network}
+    try:
+        return config_from_dict(DashboardConfig, settings), manifest, address
+    except ConfigError as e:
+        role.parser.error(f"invalid configuration: {e}")
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Raise ``OSError`` if ``host:port`` cannot be listened on now. The page's own socket is opened only
+    after the DHT process forks, so that the DHT does not inherit it and hold the port after this process ends."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as http.server binds
+        probe.bind((host, port))
+
+
+def _cannot_listen(config: DashboardConfig, error: OSError) -> int:
+    return fail(f"cannot serve the dashboard on {config.host}:{config.port}: {error.strerror or error} "
+                f"(pick another --port, or 0 for any free one)")
+
+
+async def serve(config: DashboardConfig, manifest: Any = None, address: Optional[str] = None) -> int:
+    from swarm.dashboard.history import History
+    from swarm.dashboard.join import JoinInfo
+    from swarm.dashboard.poller import DashboardPoller
+    from swarm.dashboard.server import DashboardServer, StateBox
+    from swarm.dashboard.state import Snapshot, build_state
+    from swarm.dht import start_dht, start_run_dht
+
+    stop = stop_event()
+    history = History(config.history_len)
+    join = JoinInfo(config.run_id, config.num_stages, tuple(config.network.initial_peers), manifest_address=address,
+                    run=None if manifest is None else manifest.run)
+    box = StateBox(build_state(Snapshot(fetched_at=time.time(), error="no DHT snapshot yet"), history, join, 0.0))
+    try:
+        _check_can_listen(config.host, config.port)  # fail in a second, not after starting the DHT
+    except OSError as e:
+        return _cannot_listen(config, e)
+    if manifest is not None:  # a private run's nodes talk only to members: join as the manifest says
+        dht = start_run_dht(config.network, manifest.run, client_mode=True)
+    else:
+        dht = start_dht(config.network, client_mode=True, run_id=config.run_id, num_stages=config.num_stages)
+    server = None
+    try:
+        try:
+            server = DashboardServer(box, config.host, config.port)
+        except OSError as e:
+            return _cannot_listen(config, e)
+        server.start()
+        emit("dashboard_ready", url=server.url, run_id=config.run_id)
+        print(f"Dashboard of run {config.run_id!r}: {server.url}", flush=True)
+        await DashboardPoller(dht, join, box, history, config.period_s).run(stop)
+        return 0
+    finally:
+        if server is not None:
+            server.shutdown()
+        dht.shutdown()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    config, manifest, address = load_config(argv)
+    setup_logging()
+    return asyncio.run(serve(config, manifest, address))
