@@ -12,7 +12,7 @@ What runs:
   * ``compose up`` of docker/compose.yaml as its own project: a bootstrap, 2 stages x 2 peers, a trainer
     and the dashboard, each in its own container on one bridge network; the trainer trains for
     ``--train_s`` seconds after its first loss;
-  * the dashboard's ``/api/state`` fetched inside its container and through the published host port,
+  * the dashboard's page and ``/api/state`` fetched inside its container and through the published host port,
     when this tree has a ``swarm dashboard`` command ('dashboard: not available' otherwise);
   * every service's log is saved to ``--log_dir``, then ``compose down -v`` removes the containers, the
     network and the volumes, also on Ctrl-C, SIGTERM or an error; the images it built are removed unless
@@ -194,14 +194,16 @@ def has_dashboard(image: str) -> bool:
 
 
 def check_dashboard(swarm: ComposeSwarm, image: str, host_port: int) -> Dict[str, Any]:
-    """Fetch /api/state inside the dashboard's container and through the host's published port."""
+    """Fetch / and /api/state inside the dashboard's container, and /api/state through the host's published port."""
     if not has_dashboard(image):
         return {"dashboard": "not available"}
     container = swarm.container("dashboard")
     if container is None:
         return {"dashboard": "failed: no dashboard container"}
-    probe = (f"import json, urllib.request; r = urllib.request.urlopen('http://127.0.0.1:{DASHBOARD_CONTAINER_PORT}"
-             f"/api/state', timeout=10); print(','.join(sorted(json.load(r))))")
+    base = f"http://127.0.0.1:{DASHBOARD_CONTAINER_PORT}"
+    probe = (f"import json, urllib.request; page = urllib.request.urlopen('{base}/', timeout=10).read(); "
+             f"assert b'<html' in page.lower(), 'no page at /'; "
+             f"print(','.join(sorted(json.load(urllib.request.urlopen('{base}/api/state', timeout=10)))))")
     inside = run(["docker", "exec", container, "python3", "-c", probe], check=False)
     result: Dict[str, Any] = {"dashboard": "ok", "dashboard_keys": inside.stdout.strip()}
     if inside.returncode != 0:
