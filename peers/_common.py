@@ -159,12 +159,30 @@ def _human(count: int) -> str:
     return str(count)
 
 
-def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = None) -> str:
-    """What a role is about to do, in plain words, before it starts."""
-    what = f"serve {'the stage that needs capacity most' if stage == 'auto' else f'stage {stage}'}" \
-        if role == "peer" else "push micro-batches through the pipeline"
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MB" if num_bytes >= 2**20 else f"{num_bytes / 2**20:.2f} MB"
+
+
+def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = None,
+                  forward_cache_mb: float = 0.0) -> str:
+    """What a role is about to do, in a few plain lines, before it starts: the run, the model, what this
+    role will do on which device and, for a peer, the memory it expects to need."""
+    from swarm.footprint import PROCESS_BASE_BYTES, expected_footprint
+
     access = "anyone may join" if not run.allowlist else f"private run, {len(run.allowlist)} allowed peers"
-    return (f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
-            f"{access}). The model: {_human(parameter_count(run.model))} parameters "
-            f"({run.model.num_layers} layers, hidden size {run.model.hidden_size}) cut into {run.num_stages} stages, "
-            f"{run.target_batch_size} samples per global step. This {role} will {what} on device {device}.")
+    lines = [f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
+             f"{access})",
+             f"  model:  {_human(parameter_count(run.model))} parameters ({run.model.num_layers} layers, hidden size "
+             f"{run.model.hidden_size}) cut into {run.num_stages} stages, {run.target_batch_size} samples per global step"]
+    if role != "peer":
+        return "\n".join(lines + [f"  this {role} will push micro-batches through the pipeline on device {device}"])
+    auto = stage == "auto"
+    footprint = expected_footprint(run.model, run.num_stages, stage, forward_cache_mb)
+    up_to = "up to " if auto else ""
+    cache = f" + up to {_megabytes(footprint.cache_bytes)} of cached forwards" if footprint.cache_bytes else ""
+    lines.append(f"  this peer will serve {'the stage that needs capacity most (auto)' if auto else f'stage {stage}'} "
+                 f"on device {device}: {up_to}{_human(footprint.parameters)} parameters")
+    lines.append(f"  memory: {up_to or 'about '}{_megabytes(footprint.device_bytes)} on {device} "
+                 f"({_megabytes(footprint.state_bytes)} of parameters, gradients and optimizer state{cache}), "
+                 f"plus about {_megabytes(PROCESS_BASE_BYTES)} for the process itself")
+    return "\n".join(lines)
