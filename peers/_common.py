@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import warnings
@@ -29,12 +30,34 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def stop_event() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT, so a role can leave gracefully."""
+    """An event set by SIGTERM or SIGINT, so a role can leave gracefully.
+
+    Processes forked later (hivemind's DHT and averager) must not inherit these handlers: asyncio's
+    handler only writes to a wakeup pipe that such a child shares with this process, so a child would
+    ignore the SIGTERM its parent's shutdown sends it (the parent then waits for it forever at exit)."""
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, event.set)
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=_forget_stop_handlers)
+        _fork_hook_installed = True
     return event
+
+
+_fork_hook_installed = False
+
+
+def _forget_stop_handlers() -> None:
+    """In a forked child: SIGTERM ends it again, and no signal of its own reaches the parent's loop.
+    SIGINT keeps whatever the child had (hivemind's children ignore it: the parent decides how to stop)."""
+    try:
+        signal.set_wakeup_fd(-1)
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread of the child: nothing was inherited there to undo
+        pass
 
 
 def fail(message: str) -> int:

@@ -48,6 +48,22 @@ def test_bootstrap_and_peer_stop_cleanly_on_sigterm(launcher):
     assert group_is_empty(boot.pid), "the bootstrap left processes behind"
 
 
+def test_ctrl_c_stops_a_peer_and_a_bootstrap_without_a_traceback(launcher):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group: the role, its hivemind processes, p2pd."""
+    boot = launcher.bootstrap()
+    peer = launcher.peer(0)
+    os.killpg(peer.pid, signal.SIGINT)
+    assert peer.proc.wait(timeout=30) == 0, "the peer ignored SIGINT"
+    assert peer.wait_event("peer_stopped", timeout=5)["peer_id"]
+    assert group_is_empty(peer.pid), "the peer left processes behind"
+    os.killpg(boot.pid, signal.SIGINT)
+    assert boot.proc.wait(timeout=30) == 0, "the bootstrap did not exit after SIGINT"
+    assert group_is_empty(boot.pid), "the bootstrap left processes behind"
+    for role in (peer, boot):
+        log = role.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
+
+
 def test_trainer_finishes_and_stops_on_sigterm(launcher):
     launcher.bootstrap()
     launcher.peer(0)
