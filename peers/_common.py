@@ -39,6 +39,7 @@ def stop_event() -> asyncio.Event:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, event.set)
+    loop.set_exception_handler(_quiet_lost_daemon)
     global _fork_hook_installed
     if not _fork_hook_installed:
         os.register_at_fork(after_in_child=_forget_stop_handlers)
@@ -47,6 +48,17 @@ def stop_event() -> asyncio.Event:
 
 
 _fork_hook_installed = False
+_LOST_CONNECTION = (ConnectionError, asyncio.IncompleteReadError)
+
+
+def _quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: Dict[str, Any]) -> None:
+    """One line, not a traceback, for a background task that lost its connection to p2pd: a signal sent to
+    the whole process group (Ctrl-C, ``kill -- -PGID``, systemd) stops p2pd before the role has left."""
+    error = context.get("exception")
+    if isinstance(error, _LOST_CONNECTION) and context.get("message") == "Task exception was never retrieved":
+        logging.getLogger("swarm").info(f"a background task lost its connection to p2pd: {type(error).__name__}: {error}")
+        return
+    loop.default_exception_handler(context)
 
 
 def _forget_stop_handlers() -> None:
