@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import warnings
@@ -29,12 +30,46 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def stop_event() -> asyncio.Event:
-    """An event set by SIGTERM or SIGINT, so a role can leave gracefully."""
+    """An event set by SIGTERM or SIGINT, so a role can leave gracefully.
+
+    Processes forked later (hivemind's DHT and averager) must not inherit these handlers: asyncio's
+    handler only writes to a wakeup pipe that such a child shares with this process, so a child would
+    ignore the SIGTERM its parent's shutdown sends it (the parent then waits for it forever at exit)."""
     event = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, event.set)
+    loop.set_exception_handler(_quiet_lost_daemon)
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(after_in_child=_forget_stop_handlers)
+        _fork_hook_installed = True
     return event
+
+
+_fork_hook_installed = False
+_LOST_CONNECTION = (ConnectionError, asyncio.IncompleteReadError)
+
+
+def _quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: Dict[str, Any]) -> None:
+    """One line, not a traceback, for a background task that lost its connection to p2pd: a signal sent to
+    the whole process group (Ctrl-C, ``kill -- -PGID``, systemd) stops p2pd before the role has left."""
+    error = context.get("exception")
+    if isinstance(error, _LOST_CONNECTION) and context.get("message") == "Task exception was never retrieved":
+        logging.getLogger("swarm").info(f"a background task lost its connection to p2pd: {type(error).__name__}: {error}")
+        return
+    loop.default_exception_handler(context)
+
+
+def _forget_stop_handlers() -> None:
+    """In a forked child: SIGTERM ends it again, and no signal of its own reaches the parent's loop.
+    SIGINT keeps whatever the child had (hivemind's children ignore it: the parent decides how to stop)."""
+    try:
+        signal.set_wakeup_fd(-1)
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_IGN, signal.SIG_DFL):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread of the child: nothing was inherited there to undo
+        pass
 
 
 def fail(message: str) -> int:
@@ -159,12 +194,30 @@ def _human(count: int) -> str:
     return str(count)
 
 
-def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = None) -> str:
-    """What a role is about to do, in plain words, before it starts."""
-    what = f"serve {'the stage that needs capacity most' if stage == 'auto' else f'stage {stage}'}" \
-        if role == "peer" else "push micro-batches through the pipeline"
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MB" if num_bytes >= 2**20 else f"{num_bytes / 2**20:.2f} MB"
+
+
+def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = None,
+                  forward_cache_mb: float = 0.0) -> str:
+    """What a role is about to do, in a few plain lines, before it starts: the run, the model, what this
+    role will do on which device and, for a peer, the memory it expects to need."""
+    from swarm.footprint import PROCESS_BASE_BYTES, expected_footprint
+
     access = "anyone may join" if not run.allowlist else f"private run, {len(run.allowlist)} allowed peers"
-    return (f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
-            f"{access}). The model: {_human(parameter_count(run.model))} parameters "
-            f"({run.model.num_layers} layers, hidden size {run.model.hidden_size}) cut into {run.num_stages} stages, "
-            f"{run.target_batch_size} samples per global step. This {role} will {what} on device {device}.")
+    lines = [f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
+             f"{access})",
+             f"  model:  {_human(parameter_count(run.model))} parameters ({run.model.num_layers} layers, hidden size "
+             f"{run.model.hidden_size}) cut into {run.num_stages} stages, {run.target_batch_size} samples per global step"]
+    if role != "peer":
+        return "\n".join(lines + [f"  this {role} will push micro-batches through the pipeline on device {device}"])
+    auto = stage == "auto"
+    footprint = expected_footprint(run.model, run.num_stages, stage, forward_cache_mb)
+    up_to = "up to " if auto else ""
+    cache = f" + up to {_megabytes(footprint.cache_bytes)} of cached forwards" if footprint.cache_bytes else ""
+    lines.append(f"  this peer will serve {'the stage that needs capacity most (auto)' if auto else f'stage {stage}'} "
+                 f"on device {device}: {up_to}{_human(footprint.parameters)} parameters")
+    lines.append(f"  memory: {up_to or 'about '}{_megabytes(footprint.device_bytes)} on {device} "
+                 f"({_megabytes(footprint.state_bytes)} of parameters, gradients and optimizer state{cache}), "
+                 f"plus about {_megabytes(PROCESS_BASE_BYTES)} for the process itself")
+    return "\n".join(lines)

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Optional, Sequence
 
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config import PeerConfig
 from swarm.config_loading import ConfigError
+from swarm.metrics import MetricsPortError, PeerSnapshot, peer_snapshot
+
+logger = logging.getLogger("swarm.peer")
+
+
+def progress_line(s: PeerSnapshot) -> str:
+    """One line of what the peer is doing: state, stage, global step, work done, speed."""
+    stage = "?" if s.stage is None else s.stage
+    return (f"{s.state} stage {stage} | step {s.step} | processed {s.samples_processed} samples "
+            f"(pending {s.samples_pending}) | {s.throughput:.1f} samples/s | queue {s.queue_length}")
+
+
+async def _report_progress(peer, period_s: float) -> None:
+    while True:
+        await asyncio.sleep(period_s)
+        logger.info(progress_line(peer_snapshot(peer)))
 
 
 async def serve(config: PeerConfig) -> int:
@@ -15,28 +32,37 @@ async def serve(config: PeerConfig) -> int:
 
     stop = stop_event()
     peer = StagePeer(config)
+    reporter = None
     try:
         await peer.start()
         emit("peer_ready", peer_id=peer.peer_id, run_id=config.run.run_id, stage=peer.stage, step=peer.runner.step,
-             maddrs=[str(a) for a in peer.dht.get_visible_maddrs()])
+             maddrs=[str(a) for a in peer.dht.get_visible_maddrs()],
+             metrics=peer.metrics_server.url if peer.metrics_server else None)
+        reporter = asyncio.create_task(_report_progress(peer, config.log_period_s))
         await stop.wait()
         emit("peer_leaving", peer_id=peer.peer_id)
         await peer.leave()
         emit("peer_stopped", peer_id=peer.peer_id, step=peer.runner.step, samples_applied=peer.runner.samples_applied)
         return 0
     finally:
+        if reporter is not None:
+            reporter.cancel()
         peer.shutdown()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     config, manifest = load_role_config(PeerConfig, argv, "swarm peer", "Serve one pipeline stage of a swarm training run.")
     if manifest is not None:
-        print(describe_join("peer", config.run, manifest, config.device, config.stage), flush=True)
+        print(describe_join("peer", config.run, manifest, config.device, config.stage, config.forward_cache_mb),
+              flush=True)
     setup_logging()
     try:
         return asyncio.run(serve(config))
     except ConfigError as e:  # settings that differ from the run's peers
         fail(f"invalid configuration: {e}")
+        return 2
+    except MetricsPortError as e:  # a setting to change, like the one above
+        fail(f"{e} (choose another --metrics_port)")
         return 2
     except (RuntimeError, OSError) as e:
         return fail(str(e))

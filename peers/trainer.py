@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config import TrainerConfig
 from swarm.config_loading import ConfigError
+from swarm.metrics import MetricsPortError
 
 logger = logging.getLogger("swarm.trainer")
 
@@ -38,7 +39,8 @@ async def train(config: TrainerConfig) -> int:
     trainer = Trainer(config)
     try:
         await trainer.start()
-        emit("trainer_ready", trainer_id=trainer.trainer_id)
+        emit("trainer_ready", trainer_id=trainer.trainer_id,
+             metrics=trainer.metrics_server.url if trainer.metrics_server else None)
         started = time.monotonic()
         training = asyncio.create_task(trainer.train(on_progress=report))
         stopping = asyncio.create_task(stop.wait())
@@ -66,6 +68,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return asyncio.run(train(config))
     except ConfigError as e:  # settings that differ from the run's peers
         fail(f"invalid configuration: {e}")
+        return 2
+    except MetricsPortError as e:  # a setting to change, like the one above
+        fail(f"{e} (choose another --metrics_port)")
         return 2
     except (RuntimeError, OSError, ValueError) as e:
         return fail(str(e))

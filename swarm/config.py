@@ -29,6 +29,11 @@ def _positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be positive, got {value!r}")
 
 
+def _port(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"{name} must be an integer in 0..65535 (0 = off), got {value!r}")
+
+
 @dataclass
 class RunConfig:
     """What every peer and trainer of one training run must agree on."""
@@ -114,6 +119,9 @@ class PeerConfig:
     reinitialize: bool = False  # start a stage from its initialisation although the run is past step 0 and no replica or checkpoint has it
     rebalance: bool = False  # move to the bottleneck stage when the policy says so
     rebalance_policy: RebalanceConfig = field(default_factory=RebalanceConfig)
+    metrics_port: int = 0  # serve Prometheus metrics at http://metrics_host:PORT/metrics; 0 = off
+    metrics_host: str = "127.0.0.1"  # address the metrics server listens on; 0.0.0.0 lets other machines scrape it
+    log_period_s: float = 10.0  # seconds between progress lines (state, step, samples processed, throughput)
     fault: str = "none"  # emulate a faulty replica that corrupts its replies (tests and attack benchmarks): one of swarm.server.faults.FAULTS
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -130,8 +138,10 @@ class PeerConfig:
         if isinstance(self.stage, int) and not 0 <= self.stage < self.run.num_stages:
             raise ValueError(f"stage must be in 0..{self.run.num_stages - 1} for a {self.run.num_stages}-stage run, got {self.stage}")
         for name in ("announce_period_s", "poll_period_s", "matchmaking_time_s", "averaging_timeout_s",
-                     "state_download_timeout_s", "max_message_mb", "leave_timeout_s", "checkpoint_period_s"):
+                     "state_download_timeout_s", "max_message_mb", "leave_timeout_s", "checkpoint_period_s",
+                     "log_period_s"):
             _positive(name, getattr(self, name))
+        _port("metrics_port", self.metrics_port)
         if self.expiration_s < 2 * self.announce_period_s:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
         if not self.delay_per_sample_s >= 0.0:
@@ -164,6 +174,8 @@ class TrainerConfig:
     peer_grace_s: float = 5.0  # seconds a peer must be missing from the DHT before its unconfirmed work is re-sent
     log_period_s: float = 5.0  # seconds between progress lines
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
+    metrics_port: int = 0  # serve Prometheus metrics at http://metrics_host:PORT/metrics; 0 = off
+    metrics_host: str = "127.0.0.1"  # address the metrics server listens on; 0.0.0.0 lets other machines scrape it
     attack: str = "none"  # emulate a poisoning trainer (tests and attack benchmarks): one of swarm.client.attacks.ATTACKS
     verify_fraction: float = 0.02  # probability (0-1) per micro-batch and stage of re-checking that stage's reply on a second replica (with defences on)
     run: RunConfig = field(default_factory=RunConfig)
@@ -179,6 +191,7 @@ class TrainerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("forward_timeout_s", "backward_timeout_s", "refresh_period_s", "log_period_s", "peer_grace_s"):
             _positive(name, getattr(self, name))
+        _port("metrics_port", self.metrics_port)
         if self.max_samples is not None and self.max_samples < 1:
             raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
         if not 0.0 <= self.verify_fraction <= 1.0:

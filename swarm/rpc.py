@@ -42,6 +42,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
 from swarm.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
+from swarm.metrics import count_rpc_bytes, method_label
 from swarm.reach import dialer_for, is_routing_failure
 from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode_parts, encode, payload_size_hint
 
@@ -264,14 +265,22 @@ class RPCServicer(ServicerBase):
         reply = await self._dispatch(request.uid, request.metadata, context.remote_id)
         if len(reply) > UNARY_REPLY_LIMIT_BYTES:
             reply = encode({"error": "reply too large for a unary call", "kind": "use_stream"})
+        self._meter(request.uid, len(request.metadata), len(reply))
         return runtime_pb2.ExpertResponse(metadata=reply)
 
     async def rpc_stream(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        reply = await self._serve_stream(requests, str(context.remote_id))
+        seen = _StreamTally()
+        reply = await self._serve_stream(seen.count(requests), str(context.remote_id))
+        self._meter(seen.method, seen.num_bytes, len(reply))
         for chunk in _chunks(reply):
             yield runtime_pb2.ExpertResponse(metadata=chunk)
+
+    def _meter(self, method: str, received: int, sent: int) -> None:
+        label = method_label(method, self.handlers)  # callers choose method names: only ours become labels
+        count_rpc_bytes(label, "received", received)
+        count_rpc_bytes(label, "sent", sent)
 
     async def _serve_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], caller: str) -> bytes:
         """Read a chunked request within the caller's budget and answer it with one reply."""
@@ -302,6 +311,19 @@ class RPCServicer(ServicerBase):
             self.budget.release(caller, held)
 
 
+class _StreamTally:
+    """The method and bytes of a request stream, counted as the servicer reads it."""
+
+    def __init__(self) -> None:
+        self.method, self.num_bytes = "", 0
+
+    async def count(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        async for request in requests:
+            self.method = self.method or request.uid
+            self.num_bytes += len(request.metadata)
+            yield request
+
+
 # ---- calling ----
 
 async def _call_stream(stub, method: str, payload: bytes, max_reply_bytes: int) -> List[bytes]:
@@ -320,6 +342,8 @@ async def _call_stream(stub, method: str, payload: bytes, max_reply_bytes: int) 
             parts.append(response.metadata)
     finally:
         await responses.aclose()  # stop reading and close our end of the stream
+        count_rpc_bytes(method_label(method), "sent", len(payload))
+        count_rpc_bytes(method_label(method), "received", size)
     if not parts:  # p2pd occasionally ends a stream without data or error
         raise ConnectionError(f"empty stream reply to {method}")
     return parts
@@ -327,6 +351,8 @@ async def _call_stream(stub, method: str, payload: bytes, max_reply_bytes: int) 
 
 async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -> List[bytes]:
     response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=method, metadata=payload))
+    count_rpc_bytes(method_label(method), "sent", len(payload))
+    count_rpc_bytes(method_label(method), "received", len(response.metadata))
     if len(response.metadata) > max_reply_bytes:
         raise RemoteError(f"unary reply to {method} of {len(response.metadata)} bytes exceeds {max_reply_bytes} bytes",
                           "bad_reply")

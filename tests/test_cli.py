@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -46,6 +47,22 @@ def test_bootstrap_and_peer_stop_cleanly_on_sigterm(launcher):
     boot.signal(signal.SIGTERM)
     assert boot.proc.wait(timeout=30) == 0
     assert group_is_empty(boot.pid), "the bootstrap left processes behind"
+
+
+def test_ctrl_c_stops_a_peer_and_a_bootstrap_without_a_traceback(launcher):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group: the role, its hivemind processes, p2pd."""
+    boot = launcher.bootstrap()
+    peer = launcher.peer(0)
+    os.killpg(peer.pid, signal.SIGINT)
+    assert peer.proc.wait(timeout=30) == 0, "the peer ignored SIGINT"
+    assert peer.wait_event("peer_stopped", timeout=5)["peer_id"]
+    assert group_is_empty(peer.pid), "the peer left processes behind"
+    os.killpg(boot.pid, signal.SIGINT)
+    assert boot.proc.wait(timeout=30) == 0, "the bootstrap did not exit after SIGINT"
+    assert group_is_empty(boot.pid), "the bootstrap left processes behind"
+    for role in (peer, boot):
+        log = role.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
 
 
 def test_trainer_finishes_and_stops_on_sigterm(launcher):
@@ -93,3 +110,28 @@ def test_demo_runs_and_stops_everything(tmp_path):
     assert len(logs) >= 5, sorted(logs)  # bootstrap, the dashboard, a peer per stage, the trainer
     noisy = {name: text[-2000:] for name, text in logs.items() if "Traceback" in text or "never retrieved" in text}
     assert not noisy, f"a normal run and stop left tracebacks in the logs: {noisy}"
+
+
+async def test_a_task_that_lost_p2pd_is_one_line_and_other_failures_keep_their_traceback(caplog):
+    import gc
+    import logging
+
+    from peers._common import stop_event
+
+    async def lost() -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    async def bug() -> None:
+        raise KeyError("a bug")
+
+    stop_event()  # installs the role's exception handler on this loop
+    tasks = [asyncio.create_task(lost()), asyncio.create_task(bug())]
+    await asyncio.sleep(0.05)
+    with caplog.at_level(logging.INFO):
+        del tasks
+        gc.collect()
+        await asyncio.sleep(0.05)
+    lost_lines = [r for r in caplog.records if "lost its connection to p2pd" in r.getMessage()]
+    assert len(lost_lines) == 1 and lost_lines[0].levelno == logging.INFO and lost_lines[0].exc_info is None
+    bug_lines = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert len(bug_lines) == 1 and "KeyError" in str(bug_lines[0].__dict__), "a real bug must still be reported"

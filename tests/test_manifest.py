@@ -18,7 +18,7 @@ from swarm.manifest import (ManifestError, SignedManifest, check_against_manifes
                             run_differences, run_hash, sign_manifest, verify_manifest)
 from swarm.model import FullModel, ModelConfig
 from swarm.optimizer import OptimizerConfig
-from tests.utils.processes import FAST_PEER, REPO
+from tests.utils.processes import FAST_PEER, REPO, wait_for_log_lines
 
 TINY_RUN = dict(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
 
@@ -191,8 +191,11 @@ def test_volunteer_joins_with_only_the_address(launcher, organised_run):
     address = organised_run["join"]
     assert address.endswith(f"/p2p/{organised_run['peer_id']}")
     assert organised_run["organiser"] == organised_run["peer_id"]
-    peer = launcher.start("peer", ["--join", address, *FAST_PEER], name="volunteer")
+    peer = launcher.start("peer", ["--join", address, *FAST_PEER, "--log_period_s", "1"], name="volunteer")
     ready = peer.wait_event("peer_ready", timeout=90)
     assert ready["run_id"] == launcher.run_id and ready["stage"] in (0, 1)
     summary = "".join(peer.stdout_lines)
     assert launcher.run_id in summary and organised_run["peer_id"] in summary and "parameters" in summary
+    assert "(auto)" in summary and "memory:" in summary and "MB on cpu" in summary, summary
+    wait_for_log_lines(peer, lambda line: f"online stage {ready['stage']} | step " in line and "samples/s" in line, 15,
+                       "a progress line")

@@ -233,6 +233,9 @@ def test_judge_failure():
     assert judge_failure(RemoteError("x", "wrong_stage")).stale_snapshot
     assert judge_failure(asyncio.TimeoutError()).reason == "timed out"
     assert judge_failure(ConnectionError("reset")).action == "ban"
+    # the fixed words that label bans in the metrics
+    assert [judge_failure(e).kind for e in (BadReply("p", 1, "NaN"), RemoteError("x", "busy"), asyncio.TimeoutError(),
+                                            ConnectionError("reset"))] == ["bad_reply", "busy", "timeout", "failed_call"]
 
 
 # ---- the trainer's worker ----

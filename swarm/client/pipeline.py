@@ -36,6 +36,7 @@ from hivemind.utils import get_logger
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
 from swarm.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, num_blocks
+from swarm.metrics import count_ban
 from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
@@ -145,6 +146,7 @@ class FailureVerdict:
     action: str
     reason: str
     stale_snapshot: bool = False  # the replica serves another stage: re-read the swarm
+    kind: str = "failed_call"  # a fixed word for the failure (metrics): bad_reply, timeout, unreachable or a RemoteError kind
 
 
 def judge_failure(error: BaseException) -> FailureVerdict:
@@ -154,18 +156,18 @@ def judge_failure(error: BaseException) -> FailureVerdict:
     is at fault, so it is banned and the call goes elsewhere like any other failure; the retry
     bound still ends a request that every replica refuses."""
     if isinstance(error, BadReply):
-        return FailureVerdict("ban", f"bad reply: {error.reason}")
+        return FailureVerdict("ban", f"bad reply: {error.reason}", kind="bad_reply")
     if isinstance(error, RemoteError):
         reason = f"{error.kind}: {error}"
         if error.kind == "unauthorized":
-            return FailureVerdict("refuse", reason)
+            return FailureVerdict("refuse", reason, kind=error.kind)
         if error.kind == "busy":
-            return FailureVerdict("pause", reason)
-        return FailureVerdict("ban", reason, stale_snapshot=error.kind == "wrong_stage")
+            return FailureVerdict("pause", reason, kind=error.kind)
+        return FailureVerdict("ban", reason, stale_snapshot=error.kind == "wrong_stage", kind=error.kind)
     if isinstance(error, asyncio.TimeoutError):
-        return FailureVerdict("ban", "timed out")
+        return FailureVerdict("ban", "timed out", kind="timeout")
     if is_routing_failure(error):  # this host could not find or dial it: no evidence against the peer
-        return FailureVerdict("pause", f"unreachable from here ({type(error).__name__}: {error})")
+        return FailureVerdict("pause", f"unreachable from here ({type(error).__name__}: {error})", kind="unreachable")
     return FailureVerdict("ban", f"{type(error).__name__}: {error}")
 
 
@@ -292,6 +294,7 @@ class PipelineClient:
             self.router.ban(peer_id, now, duration_s=self.busy_pause_s)
         else:
             self.router.ban(peer_id, now)
+        count_ban("trainer", verdict.kind if verdict.action == "ban" else f"{verdict.action}_{verdict.kind}")
         if verdict.stale_snapshot:
             self.on_stale_snapshot()
         description = f"{peer_id}: {verdict.reason}"

@@ -35,6 +35,7 @@ from swarm.config import TrainerConfig
 from swarm.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
 from swarm.dht import start_run_dht
 from swarm.dht_io import fetch_records, fetch_stage_records, store_record
+from swarm.metrics import MetricsServer, start_metrics_server, trainer_registry
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
@@ -111,6 +112,7 @@ class Trainer:
         # (stage, step) -> (when asked, {replica: the step's members, or None if it did not know the step})
         self._members: Dict[StepKey, Tuple[float, Dict[str, Optional[FrozenSet[str]]]]] = {}
         self._tasks: List[asyncio.Task] = []
+        self.metrics_server: Optional[MetricsServer] = None  # with --metrics_port
         # a random start, so that a restarted trainer with the same identity never reuses a micro-batch id
         self._ids = itertools.count(secrets.randbits(64))
         self.attack = TrainerAttack(config.attack, config.trainer_seed)  # honest unless emulating a poisoner
@@ -120,6 +122,9 @@ class Trainer:
         return str(self.dht.peer_id)
 
     async def start(self) -> None:
+        if self.config.metrics_port:  # first: a port in use fails the start before anything else began
+            self.metrics_server = start_metrics_server(self.config.metrics_port, trainer_registry(self),
+                                                       self.config.metrics_host)
         if self.dht is None:
             self.dht = start_run_dht(self.config.network, self.run)
         if self.corpus is None:
@@ -353,3 +358,6 @@ class Trainer:
             task.cancel()
         if self.dht is not None and self.dht.is_alive():
             self.dht.shutdown()
+        server, self.metrics_server = self.metrics_server, None
+        if server is not None:
+            server.shutdown()

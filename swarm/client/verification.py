@@ -23,6 +23,7 @@ from hivemind.utils import get_logger
 from swarm import PROTOCOL_VERSION
 from swarm.client.pipeline import PipelineClient
 from swarm.compression import FLOAT_DTYPES, CompressionError, compress, error_bound
+from swarm.metrics import count_ban, count_verification
 from swarm.policy.verification import (
     Observation, VerificationBook, VerificationPolicy, blame_incomparable, compare, compared_keys, fingerprint,
     outvoted, params_step, request_fingerprint,
@@ -98,6 +99,7 @@ class ReplyVerifier:
             return dict(first.reply)
         self.num_checks += 1
         verdict = compare(first, second, keys, self._rtol([first, second], keys))
+        count_verification(verdict.comparison)
         if verdict.comparison == "agree":
             self.book.agreed([first.peer_id, second.peer_id])
         elif verdict.comparison == "incomparable":
@@ -146,6 +148,7 @@ class ReplyVerifier:
             peer_id = pair[index].peer_id
             if self.book.strike(peer_id):
                 self.client.router.distrust(peer_id, time.monotonic(), self.policy.ban_s)
+                count_ban("trainer", "incomparable")
                 logger.warning(f"banning peer {peer_id} of stage {stage}: {self.policy.max_strikes} checks in a row "
                                f"could not compare its replies with other replicas' ({reason})")
 
@@ -154,6 +157,7 @@ class ReplyVerifier:
         """Ban the outvoted replica, settle accusations of it, and publish this trainer's own."""
         self.num_caught += 1
         self.client.router.distrust(loser.peer_id, time.monotonic(), self.policy.ban_s)
+        count_ban("trainer", "outvoted")
         logger.warning(f"banning peer {loser.peer_id} of stage {stage}: its {method} reply was outvoted by "
                        f"{winners[0].peer_id} and {winners[1].peer_id} ({reason})")
         confirmed = self.book.caught(loser.peer_id)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import signal
 import time
 from concurrent.futures import InvalidStateError
 from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
@@ -183,6 +184,16 @@ class StageAverager(DecentralizedAverager):
         # each replica; in float64 the rounding error stays far below float32 resolution, so the
         # replicas' float32 results agree (and the parameter digest catches the rare case they don't)
         super().__init__([torch.zeros_like(t, dtype=torch.float64) for t in grad_shapes], **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
+        """Start the averager's process, which ignores SIGINT (a Ctrl-C reaches every process of the terminal:
+        the peer, not its averager, decides how to stop). hivemind sets SIGINT to ignored in *this* process
+        to fork the child so; the peer's own SIGINT handling (a graceful leave) is restored right after."""
+        previous = signal.getsignal(signal.SIGINT)
+        try:
+            super().run_in_background(await_ready, timeout)
+        finally:
+            signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
 
     def run(self) -> None:
         """The averager's process: decodes int8 parts with :class:`BlockwiseInt8` before serving anything,

@@ -26,6 +26,7 @@ from swarm.config import PeerConfig
 from swarm.auth import Allowlist
 from swarm.dht import identity_of, start_run_dht
 from swarm.dht_io import fetch_stage_records
+from swarm.metrics import MetricsServer, peer_registry, start_metrics_server
 from swarm.reach import Dialer, announceable, dialer_for, listens_on_any
 from swarm.records import PeerRecord
 from swarm.rpc import NAMESPACE, RPCServicer
@@ -71,6 +72,7 @@ class StagePeer:
         # set when gradients arrive: one wakes the announcer, the other the coordinator
         self._progress = {"announce": asyncio.Event(), "coordinate": asyncio.Event()}
         self._tasks: List[asyncio.Task] = []
+        self.metrics_server: Optional[MetricsServer] = None  # with --metrics_port
         self.stopping = asyncio.Event()  # the peer is leaving the swarm
         self.stage_done = asyncio.Event()  # the peer is leaving its current stage (to move, or to leave)
 
@@ -82,6 +84,8 @@ class StagePeer:
 
     async def start(self) -> None:
         torch.set_num_threads(self.config.num_threads)
+        if self.config.metrics_port:  # first: a port in use fails the start before anything else began
+            self.metrics_server = start_metrics_server(self.config.metrics_port, peer_registry(self), self.config.metrics_host)
         if self.dht is None:
             self.dht = start_run_dht(self.config.network, self.run)
         p2p = await self.dht.replicate_p2p()
@@ -180,6 +184,9 @@ class StagePeer:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.dht is not None and self.dht.is_alive():
             self.dht.shutdown()
+        server, self.metrics_server = self.metrics_server, None
+        if server is not None:
+            server.shutdown()
 
     # ---- shared by the mechanisms ----
 

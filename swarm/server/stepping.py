@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Set, Tu
 
 from hivemind.utils import get_logger
 
+from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     ReplicaClaim, StageView, confirmed_below, majority_group, min_group_size, must_wait, near_target, needs_resync, overclaimers,
@@ -96,6 +97,7 @@ class StepCoordinator:
         votes = {**excluded_by(records, peer.stage), peer.peer_id: self.excluded()}
         for peer_id in sorted(banned_by_majority(votes) - set(self._banned) - {peer.peer_id}):
             logger.warning(f"stage {peer.stage}: excluding {peer_id} from averaging: most of the stage banned it")
+            count_ban("peer", "stage_majority")
             self._banned[peer_id] = time.monotonic()
             self.distrust([peer_id], "banned from averaging by most of the stage")
             peer.averager.ban([peer_id], BAN_S)
@@ -184,6 +186,7 @@ class StepCoordinator:
             min_group_size=min_group_size(view))
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
                     f"after {time.monotonic() - started:.2f}s")
+        observe_allreduce(time.monotonic() - started, ok=result is not None)
         if result is None:
             self._failed_rounds += 1
             # replicas that already failed to average a step alone with us get one round, not several
@@ -218,6 +221,7 @@ class StepCoordinator:
         for peer_id, why in result.excluded.items():
             if peer_id in result.banned:
                 logger.warning(f"stage {self.peer.stage}: excluding {peer_id} from averaging: {why}")
+                count_ban("peer", "averaging")
             else:
                 logger.info(f"stage {self.peer.stage}: left {peer_id} out of this round: {why}")
         if result.banned:
@@ -229,7 +233,7 @@ class StepCoordinator:
     def banned_now(self) -> Set[str]:
         """Stage-mates banned from averaging within the last ``BAN_S`` seconds."""
         now = time.monotonic()
-        return {p for p, t in self._banned.items() if now - t < BAN_S}
+        return {p for p, t in list(self._banned.items()) if now - t < BAN_S}  # a copy: metrics read it from their thread
 
     def excluded(self) -> List[str]:
         """Stage-mates banned from averaging within the last ``BAN_S`` seconds, newest first (for the record)."""
