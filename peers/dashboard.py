@@ -3,6 +3,9 @@ global-step timeline, and the command a volunteer pastes to join), served from t
 
 The page polls ``/api/state`` (fields documented in :mod:`swarm.dashboard.state`); every asset ships in the
 package, so it works offline. With ``--join ADDRESS`` the run's settings come from its organiser's manifest.
+With ``--metrics_port PORT`` the same state is also served to Prometheus at ``http://metrics_host:PORT/metrics``
+as ``swarm_dashboard_*`` families (:mod:`swarm.dashboard.metrics`); a port that cannot be listened on ends the
+dashboard at once with exit code 2 and one line.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Optional, Sequence, Tuple
 from peers._common import _add_join, _exit, _quiet_hivemind, emit, fail, fetch_run_manifest, setup_logging, stop_event
 from swarm.config import NetworkConfig
 from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
+from swarm.metrics import MetricsPortError, check_metrics_port
 from swarm.records import validate_run_id
 
 
@@ -29,6 +33,8 @@ class DashboardConfig:
     port: int = 8080  # TCP port of the page; 0 = any free port (printed at start)
     period_s: float = 2.0  # seconds between reads of the DHT
     history_len: int = 1800  # points kept per chart (one per period_s: an hour at the default period)
+    metrics_port: int = 0  # serve Prometheus metrics at http://metrics_host:PORT/metrics; 0 = off
+    metrics_host: str = "127.0.0.1"  # address the metrics server listens on; 0.0.0.0 lets other machines scrape it
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
@@ -41,6 +47,7 @@ class DashboardConfig:
             raise ValueError(f"period_s must be positive, got {self.period_s}")
         if self.history_len < 2:
             raise ValueError(f"history_len must be at least 2, got {self.history_len}")
+        check_metrics_port(self.metrics_port)
 
 
 def load_config(argv: Optional[Sequence[str]]) -> Tuple[DashboardConfig, Any, Optional[str]]:
@@ -94,6 +101,23 @@ def _cannot_listen(config: DashboardConfig, error: OSError) -> int:
                 f"(pick another --port, or 0 for any free one)")
 
 
+def _cannot_serve_metrics(message: str) -> int:
+    """A metrics port to change is a setting, as for ``swarm peer`` and ``swarm train``: exit code 2."""
+    fail(f"{message} (choose another --metrics_port)")
+    return 2
+
+
+def _start_metrics(config: DashboardConfig, box: Any, dht: Any) -> Any:
+    """The ``/metrics`` server of ``box``'s state, or None with ``metrics_port`` 0; raises MetricsPortError."""
+    if not config.metrics_port:
+        return None
+    from swarm.dashboard.metrics import dashboard_registry
+    from swarm.metrics import start_metrics_server
+
+    registry = dashboard_registry(box, peer_id=str(dht.peer_id))
+    return start_metrics_server(config.metrics_port, registry, config.metrics_host)
+
+
 async def serve(config: DashboardConfig, manifest: Any = None, address: Optional[str] = None) -> int:
     from swarm.dashboard.history import History
     from swarm.dashboard.join import JoinInfo
@@ -111,22 +135,33 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
         _check_can_listen(config.host, config.port)  # fail in a second, not after starting the DHT
     except OSError as e:
         return _cannot_listen(config, e)
+    try:
+        _check_can_listen(config.metrics_host, config.metrics_port)
+    except OSError as e:
+        return _cannot_serve_metrics(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: "
+                                     f"{e.strerror or e}")
     if manifest is not None:  # a private run's nodes talk only to members: join as the manifest says
         dht = start_run_dht(config.network, manifest.run, client_mode=True)
     else:
         dht = start_dht(config.network, client_mode=True, run_id=config.run_id, num_stages=config.num_stages)
-    server = None
+    server = metrics = None
     try:
         try:
             server = DashboardServer(box, config.host, config.port)
         except OSError as e:
             return _cannot_listen(config, e)
+        try:
+            metrics = _start_metrics(config, box, dht)
+        except MetricsPortError as e:  # taken between the check above and now
+            return _cannot_serve_metrics(str(e))
         server.start()
-        emit("dashboard_ready", url=server.url, run_id=config.run_id)
+        emit("dashboard_ready", url=server.url, run_id=config.run_id, metrics=metrics.url if metrics else None)
         print(f"Dashboard of run {config.run_id!r}: {server.url}", flush=True)
         await DashboardPoller(dht, join, box, history, config.period_s).run(stop)
         return 0
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         if server is not None:
             server.shutdown()
         dht.shutdown()

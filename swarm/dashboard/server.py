@@ -25,21 +25,28 @@ _CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; 
 
 
 class StateBox:
-    """The latest ``/api/state`` as JSON bytes, shared between the poller and the HTTP threads."""
+    """The latest ``/api/state`` as JSON bytes (and as the dict it came from, for the metrics), shared between
+    the poller and the HTTP threads. A state put here is never changed afterwards: the next one replaces it."""
 
     def __init__(self, initial: Mapping[str, Any]):
         self._lock = threading.Lock()
         self._body = b""
+        self._state: Mapping[str, Any] = {}
         self.put(initial)
 
     def put(self, state: Mapping[str, Any]) -> None:
         body = json.dumps(state, allow_nan=False, separators=(",", ":")).encode()
         with self._lock:
-            self._body = body
+            self._body, self._state = body, state
 
     def get(self) -> bytes:
         with self._lock:
             return self._body
+
+    def latest(self) -> Mapping[str, Any]:
+        """The latest state itself (read it, do not change it)."""
+        with self._lock:
+            return self._state
 
 
 def _load_assets(static_dir: Path) -> Dict[str, Tuple[bytes, str]]:
