@@ -157,6 +157,8 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
         server.start()
         emit("dashboard_ready", url=server.url, run_id=config.run_id, metrics=metrics.url if metrics else None)
         print(f"Dashboard of run {config.run_id!r}: {server.url}", flush=True)
+        if metrics is not None:
+            print(f"Prometheus metrics: {metrics.url}", flush=True)
         await DashboardPoller(dht, join, box, history, config.period_s).run(stop)
         return 0
     finally:

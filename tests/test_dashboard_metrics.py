@@ -7,7 +7,6 @@ from typing import Dict
 
 import pytest
 from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from peers.dashboard import DashboardConfig
 from swarm.dashboard.history import History
