@@ -18,7 +18,7 @@ async def serve(config: PeerConfig) -> int:
     try:
         await peer.start()
         emit("peer_ready", peer_id=peer.peer_id, run_id=config.run.run_id, stage=peer.stage, step=peer.runner.step,
-             maddrs=[str(a) for a in peer.dht.get_visible_maddrs()])
+             maddrs=peer.maddrs, reachability=peer.reachability.status if peer.reachability else None)
         await stop.wait()
         emit("peer_leaving", peer_id=peer.peer_id)
         await peer.leave()

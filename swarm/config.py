@@ -165,6 +165,7 @@ class TrainerConfig:
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
     attack: str = "none"  # emulate a poisoning trainer (tests and attack benchmarks): one of swarm.client.attacks.ATTACKS
     verify_fraction: float = 0.02  # probability (0-1) per micro-batch and stage of re-checking that stage's reply on a second replica (with defences on)
+    serve_dht: bool = False  # also answer other nodes' DHT requests (only if other machines can reach this trainer); by default a trainer is a DHT client
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 

@@ -10,36 +10,86 @@ so a node that stores junk in its own storage cannot make an honest reader accep
 from __future__ import annotations
 
 import asyncio
+import socket
 from contextvars import ContextVar
-from typing import Any, Collection, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_logger
 from hivemind.utils.auth import AuthorizerBase
+from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetworkConfig, RunConfig
 from swarm.identity import Identity, load_or_create_identity
 from swarm.records import run_schema_validator
 
-__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
+__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers", "resolve_ports", "free_tcp_port"]
 
 logger = get_logger(__name__)
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
 
 
+def _port_of(maddr: str) -> Optional[str]:
+    try:
+        return Multiaddr(maddr).value_for_protocol("tcp")
+    except Exception:  # no tcp part
+        return None
+
+
+def _with_port(maddr: str, port: int) -> str:
+    return maddr.replace("/tcp/0", f"/tcp/{port}", 1)
+
+
+def free_tcp_port(host_maddr: str) -> int:
+    """A TCP port free now on the interface of ``host_maddr`` (the kernel's pick, released at once)."""
+    maddr = Multiaddr(host_maddr)
+    names = [p.name for p in maddr.protocols()]
+    if "ip6" in names:
+        family, host = socket.AF_INET6, maddr.value_for_protocol("ip6")
+    else:
+        family, host = socket.AF_INET, maddr.value_for_protocol("ip4") if "ip4" in names else "0.0.0.0"
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
+                  free_port: Callable[[str], int] = free_tcp_port) -> Tuple[List[str], List[str]]:
+    """Listen and announce addresses with ``/tcp/0`` in an announced address made concrete: there it means
+    "the port this process listens on", which p2pd cannot announce (hivemind refuses port 0 there). A listen
+    address on port 0 gets a port from ``free_port`` first, so that both name the same one. Without port 0
+    in ``announce_maddrs`` both lists come back unchanged. ``ValueError`` when that port is ambiguous."""
+    host, announce = list(host_maddrs), list(announce_maddrs)
+    if not any(_port_of(m) == "0" for m in announce):
+        return host, announce
+    host = [_with_port(m, free_port(m)) if _port_of(m) == "0" else m for m in host]
+    ports = {_port_of(m) for m in host} - {None}
+    if len(ports) != 1:
+        raise ValueError(f"announce_maddrs {announce} use port 0 (the port this process listens on), but "
+                         f"host_maddrs {list(host_maddrs)} listen on {len(ports) or 'no'} TCP ports: "
+                         f"name the port to announce")
+    port = int(ports.pop())
+    return host, [_with_port(m, port) if _port_of(m) == "0" else m for m in announce]
+
+
 def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Optional[str] = None,
               num_stages: Optional[int] = None, identity: Optional[Identity] = None,
-              authorizer: Optional[AuthorizerBase] = None) -> DHT:
+              authorizer: Optional[AuthorizerBase] = None, p2p_options: Optional[Dict[str, Any]] = None) -> DHT:
+
     """Start a DHT process whose libp2p identity is ``identity`` (loaded from or created at
     ``network.identity_path`` when not given) and attach that identity as ``dht.identity``, so
     that the caller signs its records with the key behind its peer id.
 
     With ``run_id`` (and then ``num_stages``) the node enforces the run's record schema; roles that
     read or write run records should always pass them: without the schema, a plain value stored
-    under a run key with a later expiration hides the records beneath it from this node."""
+    under a run key with a later expiration hides the records beneath it from this node.
+
+    ``p2p_options``: further settings of its p2pd (relaying, forced reachability: see
+    :mod:`swarm.reachability`). ``/tcp/0`` in ``network.announce_maddrs`` is made concrete
+    (:func:`resolve_ports`); ``dht.listen_maddrs`` holds the addresses it listens on."""
     if run_id is not None and num_stages is None:
         raise ValueError("num_stages is required with run_id: the run's schema has one key per stage")
     if identity is None:
@@ -48,13 +98,15 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     if run_id is not None:
         validators.append(run_schema_validator(run_id, num_stages))
     extra: Dict[str, Any] = {} if authorizer is None else {"authorizer": authorizer}
+    # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
+    extra.update({"check_if_identity_free": not identity.fresh, **(p2p_options or {})})
+    host_maddrs, announce_maddrs = resolve_ports(network.host_maddrs, network.announce_maddrs)
     dht = DHT(
-        initial_peers=network.initial_peers, host_maddrs=network.host_maddrs,
-        announce_maddrs=network.announce_maddrs or None, identity_path=identity.path,
-        # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
-        check_if_identity_free=not identity.fresh, record_validators=validators,
-        client_mode=client_mode, start=True, startup_timeout=network.startup_timeout_s, **extra,
+        initial_peers=network.initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
+        identity_path=identity.path, record_validators=validators, client_mode=client_mode, start=True,
+        startup_timeout=network.startup_timeout_s, **extra,
     )
+    dht.listen_maddrs = host_maddrs
     dht.identity = identity  # lives in this (parent) process only; the DHT process has the key in its validator
     if str(dht.peer_id) != identity.peer_id:
         dht.shutdown()
@@ -64,14 +116,15 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     return dht
 
 
-def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False) -> DHT:
+def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False,
+                  p2p_options: Optional[Dict[str, Any]] = None) -> DHT:
     """The DHT of a participant of ``run``: its identity, the run's record schema, and in a private run
     the allowlist authorizer (without which the run's other nodes refuse to talk to it)."""
     from swarm.auth import authorizer_for
 
     identity = load_or_create_identity(network.identity_path)
     return start_dht(network, client_mode, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
-                     authorizer=authorizer_for(run.allowlist, identity))
+                     authorizer=authorizer_for(run.allowlist, identity), p2p_options=p2p_options)
 
 
 def identity_of(dht: DHT) -> Identity:
