@@ -117,12 +117,13 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
 
 
 def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False,
-                  p2p_options: Optional[Dict[str, Any]] = None) -> DHT:
-    """The DHT of a participant of ``run``: its identity, the run's record schema, and in a private run
-    the allowlist authorizer (without which the run's other nodes refuse to talk to it)."""
+                  p2p_options: Optional[Dict[str, Any]] = None, identity: Optional[Identity] = None) -> DHT:
+    """The DHT of a participant of ``run``: its identity (``identity``, else loaded from or created at
+    ``network.identity_path``), the run's record schema, and in a private run the allowlist authorizer
+    (without which the run's other nodes refuse to talk to it)."""
     from swarm.auth import authorizer_for
 
-    identity = load_or_create_identity(network.identity_path)
+    identity = identity or load_or_create_identity(network.identity_path)
     return start_dht(network, client_mode, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
                      authorizer=authorizer_for(run.allowlist, identity), p2p_options=p2p_options)
 

@@ -36,6 +36,9 @@ DIAL_TIMEOUT_S = 5.0  # seconds the helper spends connecting to one address
 DAEMON_START_TIMEOUT_S = 15.0  # seconds the helper waits for its fresh p2pd
 CHECK_TIMEOUT_S = DAEMON_START_TIMEOUT_S + MAX_MADDRS * DIAL_TIMEOUT_S + 5.0  # seconds one dial-back call may take
 MAX_HELPERS = 3  # run peers asked, one after the other, until one answers
+MAX_CONCURRENT_CHECKS = 4  # dial-backs one helper runs at once (each starts a p2pd); more callers hear 'busy'
+BUSY_RETRIES = 3  # times a caller asks a busy helper again
+BUSY_BACKOFF_S = 2.0  # seconds before the first retry, doubled for each next one
 MAX_REASON_CHARS = 200  # one failed address's reason, as reported
 _LOOPBACK_HOSTS = ("/ip4/127.", "/ip6/::1/")
 
@@ -93,11 +96,16 @@ def decide(announced: Sequence[str], host_maddrs: Sequence[str], report: Optiona
         return Verdict("local", f"listening on loopback only ({', '.join(host_maddrs)}): only processes on this "
                                 f"machine can reach it; to serve other machines listen with "
                                 f"--host_maddrs /ip4/0.0.0.0/tcp/PORT")
+    fixed = all(_tcp_port(str(m)) for m in host_maddrs if "/tcp/" in str(m))
     ports = _ports(host_maddrs) or _ports(announced)
-    open_hint = (f"open TCP port {', '.join(map(str, ports))} to this machine (forward it on your router or "
-                 f"firewall) and pass --announce_maddrs /ip4/<your public IP>/tcp/{ports[0]}") if ports else \
-        "listen on a fixed port (--host_maddrs /ip4/0.0.0.0/tcp/PORT), open it to this machine and announce it " \
-        "(--announce_maddrs /ip4/<your public IP>/tcp/PORT)"
+    if fixed and ports:
+        open_hint = (f"open TCP port {', '.join(map(str, ports))} to this machine (forward it on your router or "
+                     f"firewall) and pass --announce_maddrs /ip4/<your public IP>/tcp/{ports[0]}")
+    else:
+        got = f"; this time it got port {', '.join(map(str, ports))}, a new one at every start" if ports else ""
+        open_hint = (f"listen on a fixed port (--host_maddrs /ip4/0.0.0.0/tcp/PORT{got}), open it to this machine "
+                     f"(forward it on your router or firewall) and announce it "
+                     f"(--announce_maddrs /ip4/<your public IP>/tcp/PORT)")
     if not announced:
         return Verdict("unreachable", f"NOT reachable from other machines: it has no address others could dial "
                                       f"(loopback and container-bridge addresses are never announced); {open_hint}. "
@@ -172,18 +180,21 @@ async def dial_back(peer_id: str, maddrs: Sequence[str], dial_timeout_s: float =
 
 
 def dial_back_handler():
-    """An :class:`swarm.rpc.RPCServicer` handler that dials its caller back. One check at a time (each
-    starts a p2pd): a second caller meanwhile is told 'busy' and asks another peer."""
+    """An :class:`swarm.rpc.RPCServicer` handler that dials its caller back. At most
+    :data:`MAX_CONCURRENT_CHECKS` at a time (each starts a p2pd): a caller beyond is told 'busy'."""
     from swarm.rpc import RemoteError
 
-    lock = asyncio.Lock()
+    running = [0]
 
     async def handle(message: Dict[str, Any], caller: str) -> Dict[str, Any]:
         maddrs = _asked_addresses(message)
-        if lock.locked():
-            raise RemoteError("checking another peer's reachability; ask another peer", "busy")
-        async with lock:
+        if running[0] >= MAX_CONCURRENT_CHECKS:
+            raise RemoteError("checking other peers' reachability; ask again soon", "busy")
+        running[0] += 1
+        try:
             return await asyncio.wait_for(dial_back(caller, maddrs), CHECK_TIMEOUT_S - 2.0)
+        finally:
+            running[0] -= 1
 
     return handle
 
@@ -200,17 +211,24 @@ def _peer_id_of(address: str) -> Optional[str]:
 async def check_reachability(p2p: P2P, helpers: Sequence[str], announced: Sequence[str]) -> Tuple[Optional[DialBackReport], str]:
     """Ask the peers at ``helpers`` (multiaddrs ending in /p2p/<id>), one after the other, to dial ``announced``
     back; the first answer's report, or (None, why nobody answered)."""
-    from swarm.rpc import call_peer
+    from swarm.rpc import RemoteError, call_peer
 
     own, errors = str(p2p.peer_id), []
     candidates = [pid for pid in dict.fromkeys(map(_peer_id_of, helpers)) if pid and pid != own][:MAX_HELPERS]
     for helper in candidates:
-        try:
-            reply = await call_peer(p2p, PeerID.from_base58(helper), DIAL_BACK_METHOD, {"maddrs": list(announced)},
-                                    timeout=CHECK_TIMEOUT_S)
-            return parse_report(helper, reply, announced), ""
-        except Exception as e:  # an old peer without the method, busy, gone: ask the next one
-            errors.append(f"{helper}: {type(e).__name__}: {str(e)[:MAX_REASON_CHARS]}")
+        for attempt in range(BUSY_RETRIES + 1):
+            try:
+                reply = await call_peer(p2p, PeerID.from_base58(helper), DIAL_BACK_METHOD,
+                                        {"maddrs": list(announced)}, timeout=CHECK_TIMEOUT_S)
+                return parse_report(helper, reply, announced), ""
+            except RemoteError as e:
+                if e.kind == "busy" and attempt < BUSY_RETRIES:
+                    await asyncio.sleep(BUSY_BACKOFF_S * 2**attempt)
+                    continue
+                errors.append(f"{helper}: {e.kind}: {str(e)[:MAX_REASON_CHARS]}")
+            except Exception as e:  # an old peer without the method, gone, timed out: ask the next one
+                errors.append(f"{helper}: {type(e).__name__}: {str(e)[:MAX_REASON_CHARS]}")
+            break
     return None, "; ".join(errors) if errors else "no peer of the run to ask (no --initial_peers)"
 
 

@@ -43,6 +43,7 @@ def test_no_address_reached_means_unreachable_with_the_port_to_open_and_a_relay(
 def test_a_random_port_cannot_be_opened_so_the_user_is_told_to_fix_one():
     verdict = decide(["/ip4/192.168.1.20/tcp/41234"], ["/ip4/0.0.0.0/tcp/0"], DialBackReport("helper"))
     assert verdict.status == "unreachable" and verdict.ports_to_open == (41234,)  # the port it was given this time
+    assert "listen on a fixed port" in verdict.message and "got port 41234, a new one at every start" in verdict.message
     nothing = decide([], ["/ip4/0.0.0.0/tcp/0"], None)
     assert nothing.status == "unreachable" and nothing.use_relay and nothing.ports_to_open == ()
     assert "no address others could dial" in nothing.message and "--host_maddrs /ip4/0.0.0.0/tcp/PORT" in nothing.message

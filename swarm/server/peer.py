@@ -127,6 +127,8 @@ class StagePeer:
         averager = StageAverager(
             self.runner.params, self.served_state, dht=self.dht, start=True,
             prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
+            # a peer behind NAT is a DHT client, but its stage-mates still reach its averager (through a relay)
+            client_mode=False,
             min_matchmaking_time=config.matchmaking_time_s, request_timeout=config.matchmaking_time_s / 2,
             allreduce_timeout=config.averaging_timeout_s, allow_state_sharing=False,
             # a groupmate that stops sending parts (it gave up, died) fails the round in seconds, not at the timeout

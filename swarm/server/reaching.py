@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from hivemind.utils import get_logger
 
-from swarm.dht import start_run_dht
+from swarm.dht import identity_of, start_run_dht
 from swarm.reach import announceable, listens_on_any
 from swarm.reachability import Verdict, own_verdict, relay_addresses, relayed_options
 
@@ -43,9 +43,11 @@ async def reach_or_relay(peer: "StagePeer", owns_dht: bool) -> Verdict:
         logger.warning("no relay to serve through: --initial_peers names no peer on another machine; "
                        "trainers will not reach this peer")
         return verdict
+    identity = identity_of(peer.dht)
     peer.dht.shutdown()
-    # a DHT client: the other DHT nodes could not reach it to ask it anything
-    peer.dht = start_run_dht(network, peer.run, client_mode=True, p2p_options=relayed_options(network.initial_peers))
+    # the same peer id; a DHT client, since the other DHT nodes could not reach it to ask it anything
+    peer.dht = start_run_dht(network, peer.run, client_mode=True, p2p_options=relayed_options(network.initial_peers),
+                             identity=identity)
     peer.maddrs = relays
     logger.info(f"peer {peer.peer_id} serves through the relays {', '.join(relays)}; its p2pd reserves a slot "
                 f"there within about 3 minutes (libp2p waits that long for more relay candidates when fewer "
