@@ -10,69 +10,25 @@ so a node that stores junk in its own storage cannot make an honest reader accep
 from __future__ import annotations
 
 import asyncio
-import socket
 from contextvars import ContextVar
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_logger
 from hivemind.utils.auth import AuthorizerBase
-from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.config import NetworkConfig, RunConfig
 from swarm.identity import Identity, load_or_create_identity
+from swarm.listening import listen_and_announce
 from swarm.records import run_schema_validator
 
-__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers", "resolve_ports", "free_tcp_port"]
+__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
 
 logger = get_logger(__name__)
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
-
-
-def _port_of(maddr: str) -> Optional[str]:
-    try:
-        return Multiaddr(maddr).value_for_protocol("tcp")
-    except Exception:  # no tcp part
-        return None
-
-
-def _with_port(maddr: str, port: int) -> str:
-    return maddr.replace("/tcp/0", f"/tcp/{port}", 1)
-
-
-def free_tcp_port(host_maddr: str) -> int:
-    """A TCP port free now on the interface of ``host_maddr`` (the kernel's pick, released at once)."""
-    maddr = Multiaddr(host_maddr)
-    names = [p.name for p in maddr.protocols()]
-    if "ip6" in names:
-        family, host = socket.AF_INET6, maddr.value_for_protocol("ip6")
-    else:
-        family, host = socket.AF_INET, maddr.value_for_protocol("ip4") if "ip4" in names else "0.0.0.0"
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
-
-
-def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-                  free_port: Callable[[str], int] = free_tcp_port) -> Tuple[List[str], List[str]]:
-    """Listen and announce addresses with ``/tcp/0`` in an announced address made concrete: there it means
-    "the port this process listens on", which p2pd cannot announce (hivemind refuses port 0 there). A listen
-    address on port 0 gets a port from ``free_port`` first, so that both name the same one. Without port 0
-    in ``announce_maddrs`` both lists come back unchanged. ``ValueError`` when that port is ambiguous."""
-    host, announce = list(host_maddrs), list(announce_maddrs)
-    if not any(_port_of(m) == "0" for m in announce):
-        return host, announce
-    host = [_with_port(m, free_port(m)) if _port_of(m) == "0" else m for m in host]
-    ports = {_port_of(m) for m in host} - {None}
-    if len(ports) != 1:
-        raise ValueError(f"announce_maddrs {announce} use port 0 (the port this process listens on), but "
-                         f"host_maddrs {list(host_maddrs)} listen on {len(ports) or 'no'} TCP ports: "
-                         f"name the port to announce")
-    port = int(ports.pop())
-    return host, [_with_port(m, port) if _port_of(m) == "0" else m for m in announce]
 
 
 def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Optional[str] = None,
@@ -88,8 +44,9 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     under a run key with a later expiration hides the records beneath it from this node.
 
     ``p2p_options``: further settings of its p2pd (relaying, forced reachability: see
-    :mod:`swarm.reachability`). ``/tcp/0`` in ``network.announce_maddrs`` is made concrete
-    (:func:`resolve_ports`); ``dht.listen_maddrs`` holds the addresses it listens on."""
+    :mod:`swarm.reachability`). ``/tcp/0`` in ``network.announce_maddrs`` is made concrete,
+    and a wildcard listener announces its interfaces' addresses but loopback and container bridges
+    (:func:`swarm.listening.listen_and_announce`); ``dht.listen_maddrs`` holds the addresses it listens on."""
     if run_id is not None and num_stages is None:
         raise ValueError("num_stages is required with run_id: the run's schema has one key per stage")
     if identity is None:
@@ -100,7 +57,7 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     extra: Dict[str, Any] = {} if authorizer is None else {"authorizer": authorizer}
     # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
     extra.update({"check_if_identity_free": not identity.fresh, **(p2p_options or {})})
-    host_maddrs, announce_maddrs = resolve_ports(network.host_maddrs, network.announce_maddrs)
+    host_maddrs, announce_maddrs = listen_and_announce(network.host_maddrs, network.announce_maddrs)
     dht = DHT(
         initial_peers=network.initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
         identity_path=identity.path, record_validators=validators, client_mode=client_mode, start=True,

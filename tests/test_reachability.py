@@ -1,12 +1,13 @@
 """The reachability check: what a peer is told from a helper's dial-back report (pure), the reply's checks,
-relay addresses as p2pd reads them, port 0 in announced addresses, and one dial-back on loopback."""
+relay addresses as p2pd reads them, port 0 in announced addresses, what a wildcard listener announces, and
+one dial-back on loopback."""
 
 from __future__ import annotations
 
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from swarm.dht import resolve_ports
+from swarm.listening import resolve_ports, wildcard_announcements
 from swarm.reach import circuit_maddr, dialable
 from swarm.reachability import (
     DialBackReport, check_reachability, decide, dial_back, needs_check, parse_report, relay_addresses, relayed_options,
@@ -81,6 +82,15 @@ def test_port_zero_in_announced_addresses_becomes_the_listening_port():
     assert host == ["/ip4/0.0.0.0/tcp/4444"] and announce == ["/ip4/203.0.113.7/tcp/4444", PUBLIC]
     with pytest.raises(ValueError, match="name the port to announce"):
         resolve_ports(["/ip4/0.0.0.0/tcp/1", "/ip4/0.0.0.0/tcp/2"], ["/ip4/203.0.113.7/tcp/0"])
+
+
+def test_a_wildcard_listener_announces_its_interfaces_but_loopback_and_container_bridges():
+    interfaces = ["127.0.0.1", "172.17.0.1", "192.168.1.20", "198.18.0.5"]
+    assert wildcard_announcements(["/ip4/0.0.0.0/tcp/7000", "/ip4/10.0.0.1/tcp/7001"], interfaces) == \
+        ["/ip4/192.168.1.20/tcp/7000", "/ip4/198.18.0.5/tcp/7000", "/ip4/10.0.0.1/tcp/7001"]
+    assert wildcard_announcements(["/ip4/0.0.0.0/tcp/7000"], ["127.0.0.1", "172.17.0.2"]) == []  # p2pd decides
+    assert wildcard_announcements(["/ip4/0.0.0.0/tcp/7000", "/ip6/::/tcp/7000"], interfaces) == []
+    assert wildcard_announcements(["/ip4/127.0.0.1/tcp/7000"], interfaces) == []
 
 
 async def test_a_helper_dials_back_on_loopback_and_reports_what_it_could_not_reach():
