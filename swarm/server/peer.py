@@ -94,7 +94,8 @@ class StagePeer:
         await check_run_agreement(p2p, records, self.run)
         await self._serve_stage(await self.joining.choose_stage())
         self.servicer = RPCServicer(
-            {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler()}, max_message_bytes=int(self.config.max_message_mb * 2**20),
+            {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler()},
+            max_message_bytes=int(self.config.max_message_mb * 2**20),
             max_requests_per_caller=self.config.max_requests_per_caller,
             max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20), authorize=Allowlist.of(self.run.allowlist).allows,
             compression=self.run.compression, block_size=self.run.compression_block_size,
