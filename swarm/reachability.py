@@ -252,6 +252,7 @@ def relay_addresses(relays: Sequence[str]) -> List[str]:
 
 def relayed_options(relays: Sequence[str]) -> Dict[str, Any]:
     """p2pd settings of a peer that others cannot reach: reserve a slot at ``relays`` so that they reach it
-    through them, and never wait for AutoNAT to find out what the dial-back check already did."""
+    through them, and never wait for AutoNAT to find out what the dial-back check already did. The identity
+    is not checked for being in use: this peer's previous p2pd, which had it, just stopped."""
     return {"use_auto_relay": True, "use_relay": True, "force_reachability": "private",
-            "trusted_relays": list(relays)}
+            "trusted_relays": list(relays), "check_if_identity_free": False}
