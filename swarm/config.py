@@ -85,6 +85,10 @@ class NetworkConfig:
         _positive("startup_timeout_s", self.startup_timeout_s)
         if not self.host_maddrs:
             raise ValueError("host_maddrs must name at least one address to listen on")
+        from swarm.listening import resolve_ports
+
+        ports = iter(range(1, 65536))  # distinct stand-ins for the ports port-0 listeners will get
+        resolve_ports(self.host_maddrs, self.announce_maddrs, lambda maddr: next(ports))  # ValueError if ambiguous
 
 
 @dataclass

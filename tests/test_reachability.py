@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from hivemind.p2p import P2P, PeerID
 
+from swarm.config import NetworkConfig
 from swarm.listening import resolve_ports, wildcard_announcements
 from swarm.reach import circuit_maddr, dialable
 from swarm.reachability import (
@@ -82,6 +83,9 @@ def test_port_zero_in_announced_addresses_becomes_the_listening_port():
     assert host == ["/ip4/0.0.0.0/tcp/4444"] and announce == ["/ip4/203.0.113.7/tcp/4444", PUBLIC]
     with pytest.raises(ValueError, match="name the port to announce"):
         resolve_ports(["/ip4/0.0.0.0/tcp/1", "/ip4/0.0.0.0/tcp/2"], ["/ip4/203.0.113.7/tcp/0"])
+    with pytest.raises(ValueError, match="name the port to announce"):  # refused with the settings, before any start
+        NetworkConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0", "/ip6/::/tcp/0"], announce_maddrs=["/ip4/203.0.113.7/tcp/0"])
+    assert NetworkConfig(host_maddrs=["/ip4/0.0.0.0/tcp/0"], announce_maddrs=["/ip4/203.0.113.7/tcp/0"])
 
 
 def test_a_wildcard_listener_announces_its_interfaces_but_loopback_and_container_bridges():
