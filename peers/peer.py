@@ -18,7 +18,8 @@ async def serve(config: PeerConfig) -> int:
     try:
         await peer.start()
         emit("peer_ready", peer_id=peer.peer_id, run_id=config.run.run_id, stage=peer.stage, step=peer.runner.step,
-             maddrs=peer.maddrs, reachability=peer.reachability.status if peer.reachability else None)
+             maddrs=[f"{m}/p2p/{peer.peer_id}" for m in peer.maddrs],
+             reachability=peer.reachability.status if peer.reachability else None)
         await stop.wait()
         emit("peer_leaving", peer_id=peer.peer_id)
         await peer.leave()
