@@ -54,27 +54,34 @@ async def _keep_published(dht, signed) -> None:
         await asyncio.sleep(MANIFEST_REPUBLISH_S if ok else MANIFEST_RETRY_S)
 
 
-async def _organise(dht, run: RunConfig) -> List[asyncio.Task]:
-    """Sign the manifest, serve it as an RPC and keep it published; returns the publishing task."""
+async def _serve_rpcs(dht, run: Optional[RunConfig]) -> List[asyncio.Task]:
+    """Dial joiners back (their reachability check); as the organiser also sign the manifest, serve it as an
+    RPC and keep it published. Returns the publishing task, if any."""
     from swarm.dht import identity_of
     from swarm.manifest import MANIFEST_METHOD, manifest_handler, sign_manifest
+    from swarm.reachability import DIAL_BACK_METHOD, dial_back_handler
     from swarm.rpc import NAMESPACE, RPCServicer
 
-    # seconds since the epoch: a restarted organiser's manifest supersedes its earlier one
-    signed = sign_manifest(run, identity_of(dht), revision=int(time.time()))
-    servicer = RPCServicer({MANIFEST_METHOD: manifest_handler(signed)})
-    await servicer.add_p2p_handlers(await dht.replicate_p2p(), namespace=NAMESPACE)
-    return [asyncio.create_task(_keep_published(dht, signed))]
+    handlers = {DIAL_BACK_METHOD: dial_back_handler()}
+    if run is not None:
+        # seconds since the epoch: a restarted organiser's manifest supersedes its earlier one
+        signed = sign_manifest(run, identity_of(dht), revision=int(time.time()))
+        handlers[MANIFEST_METHOD] = manifest_handler(signed)
+    await RPCServicer(handlers).add_p2p_handlers(await dht.replicate_p2p(), namespace=NAMESPACE)
+    return [] if run is None else [asyncio.create_task(_keep_published(dht, signed))]
 
 
 async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int:
     from swarm.dht import start_dht, start_run_dht
+    from swarm.reachability import RELAY_SERVICE_OPTIONS
 
     stop = stop_event()
+    # an entry point is also the relay of the run's peers that others cannot reach
     if run is None:  # a plain entry point; with run_id its storage refuses anything but the run's signed records
-        dht = start_dht(config.network, run_id=config.run_id, num_stages=config.num_stages if config.run_id else None)
+        dht = start_dht(config.network, run_id=config.run_id, num_stages=config.num_stages if config.run_id else None,
+                        p2p_options=RELAY_SERVICE_OPTIONS)
     else:
-        dht = start_run_dht(config.network, run)
+        dht = start_run_dht(config.network, run, p2p_options=RELAY_SERVICE_OPTIONS)
     tasks: List[asyncio.Task] = []
     try:
         maddrs = [str(a) for a in dht.get_visible_maddrs()]
@@ -83,10 +90,10 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("\n".join(maddrs) + "\n")
             path.with_suffix(".tmp").replace(path)  # atomic: readers never see half a file
+        tasks = await _serve_rpcs(dht, run)
         if run is None:
             emit("bootstrap_ready", peer_id=str(dht.peer_id), maddrs=maddrs)
         else:
-            tasks = await _organise(dht, run)
             address = join_address(maddrs, str(dht.peer_id))
             if config.network.identity_path is None:
                 logger.warning("no --identity_path: this organiser's peer id, and so the join address, "

@@ -1,8 +1,14 @@
 """Hosts on one machine: network namespaces on a bridge, with addresses from 198.18.0.0/15.
 
-Used by the cross-host test (``tests/test_namespaces.py``) and the WAN benchmark (``benchmarks/wan.py``),
-which also limits each host's link with ``tc`` tbf (:meth:`Hosts.limit`): bandwidth only, since the
-netem qdisc (latency) is not available on every kernel.
+Used by the cross-host tests (``tests/test_namespaces.py``, ``tests/test_reachability_live.py``) and the
+WAN benchmark (``benchmarks/wan.py``), which also limits each host's link with ``tc`` tbf
+(:meth:`Hosts.limit`): bandwidth only, since the netem qdisc (latency) is not available on every kernel.
+
+The bridge lives in a namespace of its own (the "switch"), not in the root namespace: traffic between
+hosts then never passes the root namespace's firewall, which on a machine running Docker drops
+forwarded and bridged packets (its FORWARD policy is drop and bridged frames go through it). The root
+namespace joins the bridge through one more veth pair, with an address of the same /24, so the test
+process is a host of that network too.
 
 198.18.0.0/15 is the range set aside for network benchmarks (RFC 2544); go-multiaddr calls it
 unroutable, so libp2p's own routing keeps no addresses of it, exactly as for hosts on the internet
@@ -50,19 +56,29 @@ def _ip(*args: str) -> None:
 
 @dataclass
 class Hosts:
-    """``count`` namespaces, each one host with one address, joined by a bridge in the root namespace,
-    which has an address of the same /24 too (so the test process is a host of that network)."""
+    """``count`` namespaces, each one host with one address, joined by a bridge in a switch namespace,
+    which the root namespace joins too with an address of the same /24."""
 
     count: int
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     subnet: str = field(default_factory=lambda: f"198.{random.choice((18, 19))}.{random.randrange(256)}")
     namespaces: List[str] = field(default_factory=list)
-    links: List[str] = field(default_factory=list)  # the bridge-side ends of the veth pairs
-    _bridge_made: bool = False
+    links: List[str] = field(default_factory=list)  # the bridge-side ends of the veth pairs (in the switch)
+    _switch_made: bool = False
 
     @property
     def bridge(self) -> str:
         return f"sw{self.tag}br"
+
+    @property
+    def switch(self) -> str:
+        """The namespace that holds the bridge."""
+        return f"sw{self.tag}s"
+
+    @property
+    def root_link(self) -> str:
+        """The root namespace's end of its veth pair to the bridge."""
+        return f"sw{self.tag}r"
 
     @property
     def root_address(self) -> str:
@@ -85,24 +101,46 @@ class Hosts:
         rate = ["rate", f"{mbit}mbit", "burst", str(TBF_BURST_BYTES), "latency", "200ms"]
         _run(["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev", self.inside(host),
               "root", "tbf", *rate])
-        _run(["tc", "qdisc", "replace", "dev", self.links[host], "root", "tbf", *rate])
+        _run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", self.links[host], "root", "tbf", *rate])
+
+    def _link_tx_bytes(self, namespace: str, link: str) -> int:
+        result = subprocess.run(["ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{link}/statistics/tx_bytes"],
+                                capture_output=True, text=True, timeout=10)
+        return int(result.stdout.strip() or 0)
 
     def tx_bytes(self, host: int) -> int:
         """Bytes ``host`` has sent on its link so far."""
-        result = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat",
-                                 f"/sys/class/net/{self.inside(host)}/statistics/tx_bytes"],
-                                capture_output=True, text=True, timeout=10)
-        return int(result.stdout.strip() or 0)
+        return self._link_tx_bytes(self.namespaces[host], self.inside(host))
+
+    def rx_bytes(self, host: int) -> int:
+        """Bytes the bridge has sent to ``host`` so far (what ``host`` received)."""
+        return self._link_tx_bytes(self.switch, self.links[host])
+
+    def unroutable_address(self, host: int) -> str:
+        """Give ``host`` a second address that no other host has a route to, and return it.
+
+        A process on ``host`` that listens only on this address accepts no incoming connections (from
+        any other host, a connect fails with "no route"), yet connects out as usual through its link,
+        with the link's address as source: a host behind NAT, as the rest of the network sees it."""
+        octet = 19 if self.subnet.startswith("198.18.") else 18  # the other /16 of the range: no host routes there
+        address = f"198.{octet}.{self.subnet.split('.')[2]}.{10 + host}"
+        _ip("-n", self.namespaces[host], "addr", "add", f"{address}/32", "dev", "lo")
+        return address
 
     def create(self) -> "Hosts":
         reason = namespaces_unavailable()
         if reason:
             raise NamespacesUnavailable(reason)
         try:
-            _ip("link", "add", self.bridge, "type", "bridge")
-            self._bridge_made = True
-            _ip("addr", "add", f"{self.root_address}/24", "dev", self.bridge)
-            _ip("link", "set", self.bridge, "up")
+            _ip("netns", "add", self.switch)
+            self._switch_made = True
+            _ip("-n", self.switch, "link", "add", self.bridge, "type", "bridge")
+            _ip("-n", self.switch, "link", "set", self.bridge, "up")
+            _ip("link", "add", self.root_link, "type", "veth", "peer", "name", f"sw{self.tag}q")
+            _ip("link", "set", f"sw{self.tag}q", "netns", self.switch)
+            self._attach(f"sw{self.tag}q")
+            _ip("addr", "add", f"{self.root_address}/24", "dev", self.root_link)
+            _ip("link", "set", self.root_link, "up")
             for host in range(self.count):
                 self._add_host(host)
         except Exception:
@@ -110,27 +148,30 @@ class Hosts:
             raise
         return self
 
+    def _attach(self, link: str) -> None:
+        """Plug ``link`` (already in the switch namespace) into the bridge."""
+        _ip("-n", self.switch, "link", "set", link, "master", self.bridge)
+        _ip("-n", self.switch, "link", "set", link, "up")
+
     def _add_host(self, host: int) -> None:
-        namespace, inside, outside = f"sw{self.tag}n{host}", f"sw{self.tag}h{host}", f"sw{self.tag}p{host}"
+        namespace, inside, outside = f"sw{self.tag}n{host}", self.inside(host), f"sw{self.tag}p{host}"
         _ip("netns", "add", namespace)
         self.namespaces.append(namespace)
-        _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
+        _ip("-n", self.switch, "link", "add", outside, "type", "veth", "peer", "name", inside)
         self.links.append(outside)
-        _ip("link", "set", outside, "master", self.bridge)
-        _ip("link", "set", outside, "up")
-        _ip("link", "set", inside, "netns", namespace)
+        self._attach(outside)
+        _ip("-n", self.switch, "link", "set", inside, "netns", namespace)
         _ip("-n", namespace, "addr", "add", f"{self.address(host)}/24", "dev", inside)
         _ip("-n", namespace, "link", "set", inside, "up")
         _ip("-n", namespace, "link", "set", "lo", "up")
 
     def close(self) -> None:
-        """Remove the veth pairs, the namespaces and the bridge (each step ignores what is already gone)."""
-        for link in self.links:
-            subprocess.run(["ip", "link", "del", link], capture_output=True, timeout=10)
-        self.links = []
+        """Remove the namespaces (with them every veth pair and the bridge) and the root's veth
+        (each step ignores what is already gone)."""
         for namespace in self.namespaces:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
-        self.namespaces = []
-        if self._bridge_made:
-            subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=10)
-            self._bridge_made = False
+        self.namespaces, self.links = [], []
+        subprocess.run(["ip", "link", "del", self.root_link], capture_output=True, timeout=10)
+        if self._switch_made:
+            subprocess.run(["ip", "netns", "del", self.switch], capture_output=True, timeout=10)
+            self._switch_made = False

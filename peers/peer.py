@@ -36,7 +36,8 @@ async def serve(config: PeerConfig) -> int:
     try:
         await peer.start()
         emit("peer_ready", peer_id=peer.peer_id, run_id=config.run.run_id, stage=peer.stage, step=peer.runner.step,
-             maddrs=[str(a) for a in peer.dht.get_visible_maddrs()],
+             maddrs=[f"{m}/p2p/{peer.peer_id}" for m in peer.maddrs],
+             reachability=peer.reachability.status if peer.reachability else None,
              metrics=peer.metrics_server.url if peer.metrics_server else None)
         reporter = asyncio.create_task(_report_progress(peer, config.log_period_s))
         await stop.wait()

@@ -90,6 +90,10 @@ class NetworkConfig:
         _positive("startup_timeout_s", self.startup_timeout_s)
         if not self.host_maddrs:
             raise ValueError("host_maddrs must name at least one address to listen on")
+        from swarm.listening import resolve_ports
+
+        ports = iter(range(1, 65536))  # distinct stand-ins for the ports port-0 listeners will get
+        resolve_ports(self.host_maddrs, self.announce_maddrs, lambda maddr: next(ports))  # ValueError if ambiguous
 
 
 @dataclass
@@ -178,6 +182,7 @@ class TrainerConfig:
     metrics_host: str = "127.0.0.1"  # address the metrics server listens on; 0.0.0.0 lets other machines scrape it
     attack: str = "none"  # emulate a poisoning trainer (tests and attack benchmarks): one of swarm.client.attacks.ATTACKS
     verify_fraction: float = 0.02  # probability (0-1) per micro-batch and stage of re-checking that stage's reply on a second replica (with defences on)
+    serve_dht: bool = False  # also answer other nodes' DHT requests (only if other machines can reach this trainer); by default a trainer is a DHT client
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 

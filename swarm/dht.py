@@ -21,6 +21,7 @@ from hivemind.utils.auth import AuthorizerBase
 
 from swarm.config import NetworkConfig, RunConfig
 from swarm.identity import Identity, load_or_create_identity
+from swarm.listening import listen_and_announce
 from swarm.records import run_schema_validator
 
 __all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
@@ -32,14 +33,20 @@ _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_a
 
 def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Optional[str] = None,
               num_stages: Optional[int] = None, identity: Optional[Identity] = None,
-              authorizer: Optional[AuthorizerBase] = None) -> DHT:
+              authorizer: Optional[AuthorizerBase] = None, p2p_options: Optional[Dict[str, Any]] = None) -> DHT:
+
     """Start a DHT process whose libp2p identity is ``identity`` (loaded from or created at
     ``network.identity_path`` when not given) and attach that identity as ``dht.identity``, so
     that the caller signs its records with the key behind its peer id.
 
     With ``run_id`` (and then ``num_stages``) the node enforces the run's record schema; roles that
     read or write run records should always pass them: without the schema, a plain value stored
-    under a run key with a later expiration hides the records beneath it from this node."""
+    under a run key with a later expiration hides the records beneath it from this node.
+
+    ``p2p_options``: further settings of its p2pd (relaying, forced reachability: see
+    :mod:`swarm.reachability`). ``/tcp/0`` in ``network.announce_maddrs`` is made concrete,
+    and a wildcard listener announces its interfaces' addresses but loopback and container bridges
+    (:func:`swarm.listening.listen_and_announce`); ``dht.listen_maddrs`` holds the addresses it listens on."""
     if run_id is not None and num_stages is None:
         raise ValueError("num_stages is required with run_id: the run's schema has one key per stage")
     if identity is None:
@@ -48,13 +55,15 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     if run_id is not None:
         validators.append(run_schema_validator(run_id, num_stages))
     extra: Dict[str, Any] = {} if authorizer is None else {"authorizer": authorizer}
+    # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
+    extra.update({"check_if_identity_free": not identity.fresh, **(p2p_options or {})})
+    host_maddrs, announce_maddrs = listen_and_announce(network.host_maddrs, network.announce_maddrs)
     dht = DHT(
-        initial_peers=network.initial_peers, host_maddrs=network.host_maddrs,
-        announce_maddrs=network.announce_maddrs or None, identity_path=identity.path,
-        # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
-        check_if_identity_free=not identity.fresh, record_validators=validators,
-        client_mode=client_mode, start=True, startup_timeout=network.startup_timeout_s, **extra,
+        initial_peers=network.initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
+        identity_path=identity.path, record_validators=validators, client_mode=client_mode, start=True,
+        startup_timeout=network.startup_timeout_s, **extra,
     )
+    dht.listen_maddrs = host_maddrs
     dht.identity = identity  # lives in this (parent) process only; the DHT process has the key in its validator
     if str(dht.peer_id) != identity.peer_id:
         dht.shutdown()
@@ -64,14 +73,16 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     return dht
 
 
-def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False) -> DHT:
-    """The DHT of a participant of ``run``: its identity, the run's record schema, and in a private run
-    the allowlist authorizer (without which the run's other nodes refuse to talk to it)."""
+def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False,
+                  p2p_options: Optional[Dict[str, Any]] = None, identity: Optional[Identity] = None) -> DHT:
+    """The DHT of a participant of ``run``: its identity (``identity``, else loaded from or created at
+    ``network.identity_path``), the run's record schema, and in a private run the allowlist authorizer
+    (without which the run's other nodes refuse to talk to it)."""
     from swarm.auth import authorizer_for
 
-    identity = load_or_create_identity(network.identity_path)
+    identity = identity or load_or_create_identity(network.identity_path)
     return start_dht(network, client_mode, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
-                     authorizer=authorizer_for(run.allowlist, identity))
+                     authorizer=authorizer_for(run.allowlist, identity), p2p_options=p2p_options)
 
 
 def identity_of(dht: DHT) -> Identity:

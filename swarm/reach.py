@@ -24,7 +24,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = ["MAX_MADDRS", "MAX_MADDR_CHARS", "announceable", "listens_on_any", "dialable", "is_routing_failure",
-           "AddressBook", "address_book", "Dialer", "dialer_for"]
+           "circuit_maddr", "is_circuit", "AddressBook", "address_book", "Dialer", "dialer_for"]
 
 logger = get_logger(__name__)
 
@@ -34,6 +34,7 @@ CONNECT_TIMEOUT_S = 5.0  # seconds one connect attempt may take
 CONNECTED_TTL_S = 10.0  # seconds a peer seen connected is not checked again
 RETRY_AFTER_S = 5.0  # seconds before dialing a peer again after a failed connect
 _TRANSPORTS = ("tcp", "udp")
+_P2P_CODE, _CIRCUIT_CODE = 421, 290  # multicodecs of /p2p/<id> and /p2p-circuit
 _ROUTING_FAILURES = ("routing: not found", "failed to find any peer in table", "no addresses", "failed to dial")
 # addresses that never reach another host: loopback and the default container bridge
 _LOCAL_ONLY = [ipaddress.ip_network(n) for n in ("127.0.0.0/8", "::1/128", "172.17.0.0/16")]
@@ -54,6 +55,38 @@ def _strip_peer_id(maddr: Multiaddr) -> Multiaddr:
     return maddr.decapsulate(Multiaddr(f"/p2p/{maddr.value_for_protocol('p2p')}"))
 
 
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def circuit_maddr(relay: str, relay_peer_id: str) -> Multiaddr:
+    """``relay``/p2p/``relay_peer_id``/p2p-circuit: reach a peer through the relay at ``relay`` (an address
+    without a peer id). Built byte by byte because hivemind's multiaddr encodes a ``/p2p/`` value as a CID,
+    which p2pd refuses inside an address ("length greater than remaining number of bytes in buffer");
+    p2pd expects the bare multihash of the peer id."""
+    peer_id = PeerID.from_base58(relay_peer_id).to_bytes()
+    return Multiaddr(Multiaddr(relay).to_bytes() + _varint(_P2P_CODE) + _varint(len(peer_id)) + peer_id
+                     + _varint(_CIRCUIT_CODE))
+
+
+def is_circuit(maddr: Multiaddr) -> bool:
+    """Whether ``maddr`` reaches its peer through a relay."""
+    return "p2p-circuit" in [p.name for p in maddr.protocols()]
+
+
+def _parse_circuit(maddr: Multiaddr) -> Optional[Multiaddr]:
+    """A relay address cut after ``/p2p-circuit`` and encoded as p2pd reads it; None without a relay's peer id."""
+    relay = Multiaddr(str(maddr).partition("/p2p-circuit")[0])
+    if "p2p" not in [p.name for p in relay.protocols()]:
+        return None
+    return circuit_maddr(str(_strip_peer_id(relay)), relay.value_for_protocol("p2p"))
+
+
 def _local_only(host: str) -> bool:
     try:
         address = ipaddress.ip_address(host)
@@ -67,8 +100,11 @@ def _parse(text: str) -> Optional[Multiaddr]:
     if not isinstance(text, str) or not 0 < len(text) <= 4 * MAX_MADDR_CHARS:
         return None
     try:
-        maddr = _strip_peer_id(Multiaddr(text))
-    except Exception:  # multiaddr raises several unrelated types on garbage
+        maddr = Multiaddr(text)
+        maddr = _parse_circuit(maddr) if is_circuit(maddr) else _strip_peer_id(maddr)
+    except Exception:  # multiaddr and base58 raise several unrelated types on garbage
+        return None
+    if maddr is None:
         return None
     names = [p.name for p in maddr.protocols()]
     if _host_of(maddr) is None or not any(t in names for t in _TRANSPORTS) or len(str(maddr)) > MAX_MADDR_CHARS:

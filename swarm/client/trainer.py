@@ -126,7 +126,8 @@ class Trainer:
             self.metrics_server = start_metrics_server(self.config.metrics_port, trainer_registry(self),
                                                        self.config.metrics_host)
         if self.dht is None:
-            self.dht = start_run_dht(self.config.network, self.run)
+            # a DHT client unless told otherwise: a trainer behind NAT could not answer other nodes' requests
+            self.dht = start_run_dht(self.config.network, self.run, client_mode=not self.config.serve_dht)
         if self.corpus is None:
             self.corpus = await asyncio.get_running_loop().run_in_executor(None, load_trainer_corpus, self.config)
         self.sampler = BatchSampler(self.corpus.train, self.run.model.seq_len, self.config.batch_size,

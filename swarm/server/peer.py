@@ -27,7 +27,8 @@ from swarm.auth import Allowlist
 from swarm.dht import identity_of, start_run_dht
 from swarm.dht_io import fetch_stage_records
 from swarm.metrics import MetricsServer, peer_registry, start_metrics_server
-from swarm.reach import Dialer, announceable, dialer_for, listens_on_any
+from swarm.reach import Dialer, dialer_for
+from swarm.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
 from swarm.records import PeerRecord
 from swarm.rpc import NAMESPACE, RPCServicer
 from swarm.server.announcer import Announcer
@@ -37,6 +38,7 @@ from swarm.server.checkpoints import Checkpointer
 from swarm.server.faults import STATE_FAULTS, corrupt_state
 from swarm.server.handlers import COMPRESSED_METHODS, StageHandlers
 from swarm.server.joining import Joining
+from swarm.server.reaching import reach_or_relay
 from swarm.server.rebalancing import rebalance_loop
 from swarm.server.runner import StageRunner
 from swarm.server.stepping import BAN_S, StepCoordinator
@@ -63,6 +65,7 @@ class StagePeer:
         self.steps: Optional[StepCoordinator] = None
         self.dialer: Optional[Dialer] = None  # connects p2pd to stage-mates at the addresses they announce
         self.maddrs: List[str] = []  # the addresses this peer announces
+        self.reachability: Optional[Verdict] = None  # whether other machines can reach it, checked at start
         self.coordinator_task: Optional[asyncio.Task] = None
         self.queued = 0  # requests waiting for the compute thread
         self.in_flight = 0  # forward/backward requests being served
@@ -86,17 +89,18 @@ class StagePeer:
         torch.set_num_threads(self.config.num_threads)
         if self.config.metrics_port:  # first: a port in use fails the start before anything else began
             self.metrics_server = start_metrics_server(self.config.metrics_port, peer_registry(self), self.config.metrics_host)
-        if self.dht is None:
+        owns_dht = self.dht is None
+        if owns_dht:
             self.dht = start_run_dht(self.config.network, self.run)
+        self.reachability = await reach_or_relay(self, owns_dht)
         p2p = await self.dht.replicate_p2p()
         self.dialer = dialer_for(p2p)
-        self.maddrs = announceable([str(m) for m in self.dht.get_visible_maddrs(latest=True)],
-                                   listens_on_any(self.config.network.host_maddrs + self.config.network.announce_maddrs))
         records = await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages)
         await check_run_agreement(p2p, records, self.run)
         await self._serve_stage(await self.joining.choose_stage())
         self.servicer = RPCServicer(
-            self.handlers.table(), max_message_bytes=int(self.config.max_message_mb * 2**20),
+            {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler()},
+            max_message_bytes=int(self.config.max_message_mb * 2**20),
             max_requests_per_caller=self.config.max_requests_per_caller,
             max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20), authorize=Allowlist.of(self.run.allowlist).allows,
             compression=self.run.compression, block_size=self.run.compression_block_size,
@@ -131,6 +135,8 @@ class StagePeer:
         averager = StageAverager(
             self.runner.params, self.served_state, dht=self.dht, start=True,
             prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
+            # a peer behind NAT is a DHT client, but its stage-mates still reach its averager (through a relay)
+            client_mode=False,
             min_matchmaking_time=config.matchmaking_time_s, request_timeout=config.matchmaking_time_s / 2,
             allreduce_timeout=config.averaging_timeout_s, allow_state_sharing=False,
             # a groupmate that stops sending parts (it gave up, died) fails the round in seconds, not at the timeout

@@ -1,0 +1,55 @@
+"""A starting peer finds out whether other machines can reach it, says so, and serves through a relay if not.
+
+Runs once in :meth:`swarm.server.peer.StagePeer.start`, on the peer's event loop, before it chooses a stage:
+the dial-back check (:mod:`swarm.reachability`), one log line with the verdict in plain words, and, for an
+unreachable peer, a restart of its DHT as a DHT client whose p2pd reserves a slot at the run's entry points
+(the relays); its record then announces the relay addresses instead of its own.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hivemind.utils import get_logger
+
+from swarm.dht import identity_of, start_run_dht
+from swarm.reach import announceable, listens_on_any
+from swarm.reachability import Verdict, own_verdict, relay_addresses, relayed_options
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["reach_or_relay"]
+
+logger = get_logger(__name__)
+
+
+async def reach_or_relay(peer: "StagePeer", owns_dht: bool) -> Verdict:
+    """Check, log the verdict, and relay if unreachable (only a DHT this peer started can be restarted)."""
+    network = peer.config.network
+    listen = getattr(peer.dht, "listen_maddrs", network.host_maddrs)
+    p2p = await peer.dht.replicate_p2p()
+    peer.maddrs = announceable([str(m) for m in peer.dht.get_visible_maddrs(latest=True)],
+                               listens_on_any(list(listen) + network.announce_maddrs))
+    verdict = await own_verdict(p2p, listen, peer.maddrs, network.initial_peers)
+    relays = relay_addresses(network.initial_peers)
+    if verdict.status == "unreachable":
+        logger.warning(f"peer {peer.peer_id}: {verdict.message}")
+    elif verdict.status != "local":
+        logger.info(f"peer {peer.peer_id}: {verdict.message}")
+    if not verdict.use_relay or not owns_dht:
+        return verdict
+    if not relays:
+        logger.warning("no relay to serve through: --initial_peers names no peer on another machine; "
+                       "trainers will not reach this peer")
+        return verdict
+    identity = identity_of(peer.dht)
+    peer.dht.shutdown()
+    # the same peer id; a DHT client, since the other DHT nodes could not reach it to ask it anything
+    peer.dht = start_run_dht(network, peer.run, client_mode=True, p2p_options=relayed_options(network.initial_peers),
+                             identity=identity)
+    peer.maddrs = relays
+    logger.info(f"peer {peer.peer_id} serves through the relays {', '.join(relays)}; its p2pd reserves a slot "
+                f"there within about 3 minutes (libp2p waits that long for more relay candidates when fewer "
+                f"than 4 are known)")
+    return verdict
