@@ -105,6 +105,23 @@ async def fetch_run_manifest(address: str, timeout: float = MANIFEST_FETCH_TIMEO
         await p2p.shutdown()
 
 
+def fetch_manifest_or_exit(address: str):
+    """The verified run manifest that the peer at ``--join ADDRESS`` serves; exits with code 2 when the
+    address names no peer, 1 when the manifest cannot be fetched or trusted."""
+    from swarm.manifest import ManifestError, peer_id_in_address
+
+    try:
+        peer_id_in_address(address)
+    except ManifestError as e:
+        _exit(2, f"--join: {e}")
+    with _quiet_hivemind():
+        try:
+            return asyncio.run(fetch_run_manifest(address))
+        except Exception as e:  # p2pd, the network and the manifest's checks each raise their own types
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            _exit(1, f"cannot get a trustworthy run manifest from {address}: {reason}")
+
+
 def _exit(code: int, message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -125,18 +142,9 @@ def load_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, des
             return config_from_dict(cls, role.settings), None
         except ConfigError as e:
             role.parser.error(f"invalid configuration: {e}")
-    from swarm.manifest import ManifestError, join_settings, peer_id_in_address
+    from swarm.manifest import join_settings
 
-    try:
-        peer_id_in_address(address)
-    except ManifestError as e:
-        _exit(2, f"--join: {e}")
-    with _quiet_hivemind():
-        try:
-            manifest = asyncio.run(fetch_run_manifest(address))
-        except Exception as e:  # p2pd, the network and the manifest's checks each raise their own types
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            _exit(1, f"cannot get a trustworthy run manifest from {address}: {reason}")
+    manifest = fetch_manifest_or_exit(address)
     try:
         config = config_from_dict(cls, join_settings(role.settings, manifest, address))
     except ConfigError as e:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
-from peers._common import _add_join, _exit, _quiet_hivemind, emit, fail, fetch_run_manifest, setup_logging, stop_event
+from peers._common import _add_join, _exit, emit, fail, fetch_manifest_or_exit, setup_logging, stop_event
 from swarm.config import NetworkConfig
 from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
 from swarm.metrics import MetricsPortError, check_metrics_port
@@ -58,18 +58,7 @@ def load_config(argv: Optional[Sequence[str]]) -> Tuple[DashboardConfig, Any, Op
     settings, address = role.settings, role.extras.join
     manifest = None
     if address is not None:
-        from swarm.manifest import ManifestError, peer_id_in_address
-
-        try:
-            peer_id_in_address(address)
-        except ManifestError as e:
-            _exit(2, f"--join: {e}")
-        with _quiet_hivemind():
-            try:
-                manifest = asyncio.run(fetch_run_manifest(address))
-            except Exception as e:  # p2pd, the network and the manifest's checks each raise their own types
-                reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                _exit(1, f"cannot get a trustworthy run manifest from {address}: {reason}")
+        manifest = fetch_manifest_or_exit(address)
         run = manifest.run
         for name, value in (("run_id", run.run_id), ("num_stages", run.num_stages)):
             if name in settings and str(settings[name]) != str(value):

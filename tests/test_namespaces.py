@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import re
 import signal
-import uuid
 
 import pytest
 
-from peers.netns import Hosts, NamespacesUnavailable, namespaces_unavailable
+from peers.netns import Hosts, namespaces_unavailable
 from tests.utils.probe import Probe, online
 from tests.utils.processes import FAST_PEER, Launcher
 
@@ -23,27 +22,6 @@ TARGET = 32
 STAGES = 1  # one stage keeps the test small: its replicas on two hosts are what crosses hosts
 
 pytestmark = pytest.mark.skipif(bool(namespaces_unavailable()), reason=namespaces_unavailable() or "namespaces available")
-
-
-@pytest.fixture
-def hosts():
-    try:
-        hosts = Hosts(3).create()
-    except NamespacesUnavailable as e:
-        pytest.skip(f"cannot make network namespaces here: {e}")
-    try:
-        yield hosts
-    finally:
-        hosts.close()
-
-
-@pytest.fixture
-def remote(tmp_path, hosts):
-    launcher = Launcher(tmp_path, run_id=f"t{uuid.uuid4().hex[:8]}")
-    try:
-        yield launcher
-    finally:
-        launcher.close()
 
 
 def _listen(hosts: Hosts, host: int):

@@ -9,35 +9,13 @@ out work, as behind NAT.
 
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
-from peers.netns import Hosts, NamespacesUnavailable, namespaces_unavailable
-from tests.utils.processes import FAST_PEER, Launcher
+from peers.netns import namespaces_unavailable
+from tests.utils.processes import FAST_PEER
 
 pytestmark = pytest.mark.skipif(bool(namespaces_unavailable()), reason=namespaces_unavailable() or "namespaces available")
-
-
-@pytest.fixture
-def hosts():
-    try:
-        hosts = Hosts(3).create()
-    except NamespacesUnavailable as e:
-        pytest.skip(f"cannot make network namespaces here: {e}")
-    try:
-        yield hosts
-    finally:
-        hosts.close()
-
-
-@pytest.fixture
-def remote(tmp_path, hosts):
-    launcher = Launcher(tmp_path, run_id=f"t{uuid.uuid4().hex[:8]}")
-    try:
-        yield launcher
-    finally:
-        launcher.close()
 
 
 def test_a_peer_behind_a_closed_host_hears_it_is_unreachable_and_an_open_one_that_it_is_reachable(remote, hosts):
