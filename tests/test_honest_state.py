@@ -133,6 +133,7 @@ class FakeSteps:
     def __init__(self):
         self.distrusted: List[str] = []
         self.banned: Set[str] = set()
+        self.tentative: Dict[int, float] = {}
 
     def banned_now(self) -> Set[str]:
         return set(self.banned)
