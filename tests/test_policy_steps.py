@@ -100,9 +100,11 @@ def test_a_replica_the_stage_went_past_does_not_step_alone():
     passed = view(others=(claim(peer_id="A", step=4, accum_step=4, digest="d4"),))
     assert not step_alone(5, 2, passed)
     assert needs_resync(passed)
-    # also when A's claims are ignored for a while: it still holds the stage's parameters
-    assert not step_alone(5, 2, replace(passed, others=(), voters=passed.others))
+    # A's claims ignored for a while: it still holds the stage's parameters, so rounds wait for it
     assert stage_mates(replace(passed, others=(), voters=passed.others)) == passed.others
+    # a claim of a step far ahead that no state backs (no digest, so no resync follows) does not stall it
+    liar = view(others=(claim(peer_id="A", step=10**6, accum_step=10**6, digest=""),))
+    assert not needs_resync(liar) and step_alone(2, 2, liar)
 
 
 def test_a_step_averaged_by_a_minority_of_the_stage_is_tentative_until_the_majority_holds_it():

@@ -200,10 +200,11 @@ def stage_mates(view: StageView) -> Tuple[ReplicaClaim, ...]:
 def step_alone(failed_rounds: int, max_failed_rounds: int, view: Optional[StageView] = None) -> bool:
     """Whether to apply the frozen step (``view.step``) without the other replicas: none formed a group
     for it in ``max_failed_rounds`` rounds (they are gone, stuck, or were never really there). Not
-    while another replica is past that step: the stage went on without this one, whose answer is the
-    stage's state (:func:`needs_resync`), not a lineage of its own. A replica that was merely slow
-    notices the divergence by digest and downloads the stage's state."""
-    if view is not None and any(claim.step > view.step for claim in stage_mates(view)):
+    while the replica is to download the stage's state (:func:`needs_resync`): the stage went on
+    without it, and its answer is the stage's state, not a lineage of its own (a claim no download
+    bears out is then distrusted, which ends the wait). A replica that was merely slow notices the
+    divergence by digest and downloads the stage's state."""
+    if view is not None and needs_resync(view):
         return False
     return failed_rounds >= max_failed_rounds
 
