@@ -221,7 +221,7 @@ def majority_group(members: int, view: StageView) -> bool:
     """Whether a group of ``members`` replicas that averaged a step is a strict majority of the stage
     (this replica and its :func:`stage_mates`). A step a minority applied is tentative: the majority
     may go on without it, and its members then give it up for the majority's state."""
-    return 2 * members > len(stage_mates(view)) + 1
+    return members >= min_group_size(view)
 
 
 def overclaimers(claims: Mapping[str, int], gathered: Mapping[str, int], slack: float = 0.5) -> Set[str]:
