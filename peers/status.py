@@ -44,7 +44,8 @@ def format_status(elapsed: float, peers: Dict, trainers: Dict) -> str:
 
 
 async def status_line(dht, run_id: str, num_stages: int, elapsed: float) -> str:
-    from swarm.dht_io import fetch_records, fetch_stage_records
+    from swarm.dht_io import fetch_records
+    from swarm.directory import fetch_stage_records
     from swarm.records import TrainerRecord, trainers_key
 
     peers = await fetch_stage_records(dht, run_id, num_stages)

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from functools import partial
 from typing import Any, Dict, Optional, Tuple, Type, TypeVar
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 from pydantic import BaseModel
 
-from swarm.dht import get_many_in_dht, identity_of
-from swarm.reach import address_book
-from swarm.records import PeerRecord, parse_entries, record_id_of, stage_key
+from swarm.dht import identity_of
+from swarm.records import parse_entries, record_id_of
 
-__all__ = ["fetch_records", "fetch_stage_records", "store_record"]
+__all__ = ["fetch_records", "store_record", "parse_value", "warn_once"]
 
 logger = get_logger(__name__)
 R = TypeVar("R", bound=BaseModel)
@@ -58,35 +56,15 @@ async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0
         raw = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
     except (asyncio.TimeoutError, Exception) as e:
         return _failed(key, e, strict)
-    return {record_id: record for record_id, (record, _) in _parse(key, raw, model).items()}
+    return {record_id: record for record_id, (record, _) in parse_value(key, raw, model).items()}
 
 
-async def fetch_stage_records(dht: DHT, run_id: str, num_stages: int, timeout: float = 5.0,
-                              strict: bool = False) -> Dict[str, PeerRecord]:
-    """The peer records of every stage in one DHT traversal, merged; a record found under the key
-    of a stage other than its own is dropped. Failure handling as in ``fetch_records``."""
-    identity_of(dht)
-    keys = [stage_key(run_id, stage) for stage in range(num_stages)]
-    try:
-        found = await asyncio.wait_for(dht.run_coroutine(
-            partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True), timeout + 1.0)
-    except (asyncio.TimeoutError, Exception) as e:
-        return _failed(f"{run_id} stages", e, strict)
-    merged: Dict[str, Tuple[PeerRecord, float]] = {}
-    for stage, key in enumerate(keys):
-        for peer_id, (record, expiration) in _parse(key, found.get(key), PeerRecord).items():
-            if record.stage != stage:
-                _warn_once(key, f"record of {peer_id} names stage {record.stage}, stored under stage {stage}")
-            elif peer_id not in merged or expiration > merged[peer_id][1]:  # a peer that just moved: its newest
-                merged[peer_id] = (record, expiration)
-    address_book.learn({peer_id: record.addresses for peer_id, (record, _) in merged.items()})
-    return {peer_id: record for peer_id, (record, _) in merged.items()}
-
-
-def _parse(key: str, raw: Any, model: Type[R]) -> Dict[str, Tuple[R, float]]:
+def parse_value(key: str, raw: Any, model: Type[R]) -> Dict[str, Tuple[R, float]]:
+    """The valid records of what a lookup of ``key`` returned (``raw``), each with its expiration time;
+    every refused one is logged, once per reason."""
     entries, refused = parse_entries(getattr(raw, "value", None), model)
     for reason in refused:
-        _warn_once(key, reason)
+        warn_once(key, reason)
     return entries
 
 
@@ -97,7 +75,7 @@ def _failed(what: str, error: BaseException, strict: bool) -> Dict[str, Any]:
     return {}
 
 
-def _warn_once(key: str, reason: str) -> None:
+def warn_once(key: str, reason: str) -> None:
     """One WARNING per (key, reason): a bad record is re-read on every poll and would flood the log."""
     if (key, reason) in _warned:
         logger.debug(f"ignoring a record under {key!r}: {reason}")

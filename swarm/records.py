@@ -1,6 +1,7 @@
 """Typed DHT records: what peers and trainers announce about themselves, and who may write them.
 
-Layout: one DHT key per stage (``stage_key``), one for trainers (``trainers_key``), one for the
+Layout: a stage's records under one DHT key (``stage_key``), or under shards of it once the stage is large
+(``shard_key``, :mod:`swarm.policy.directory`), one for trainers (``trainers_key``), one for the
 run's manifest (``manifest_key``) and one for trainers' accusations of replicas (``accusations_key``).
 Every record is stored under the subkey of its owner, ``[owner:<RSA public key>]``, and signed with that key (hivemind's ``RSASignatureValidator``); the
 owner's key is also its libp2p identity, so a record whose ``peer_id``/``trainer_id`` is not the
@@ -23,6 +24,7 @@ from typing import Any, Dict, Generic, List, Literal, Optional, Tuple, Type, Typ
 
 import annotated_types
 import pydantic.v1 as pydantic_v1
+from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.utils import get_logger
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
@@ -30,6 +32,7 @@ from pydantic.fields import FieldInfo
 
 from swarm.identity import peer_id_of
 from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
+from swarm.policy.directory import MAX_LEVEL, shard_count
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "AccusationRecord",
     "RecordVerdict",
     "stage_key",
+    "shard_key",
     "trainers_key",
     "manifest_key",
     "accusations_key",
@@ -80,6 +84,13 @@ def validate_run_id(run_id: str) -> str:
 
 def stage_key(run_id: str, stage: int) -> str:
     return f"{run_id}_stage{stage}"
+
+
+def shard_key(run_id: str, stage: int, level: int, shard: int) -> str:
+    """The key of one shard of a stage's directory (:mod:`swarm.policy.directory`); level 0 is the stage key."""
+    if not 0 <= shard < shard_count(level):
+        raise ValueError(f"shard {shard} is outside level {level}'s {shard_count(level)} shards")
+    return stage_key(run_id, stage) if level == 0 else f"{run_id}_stage{stage}_{level}_{shard}"
 
 
 def trainers_key(run_id: str) -> str:
@@ -352,24 +363,42 @@ _TRAINER_WIRE = _wire_model(TrainerRecord)
 _ACCUSATION_WIRE = _wire_model(AccusationRecord)
 
 
-def run_schema(num_stages: int) -> Type[pydantic_v1.BaseModel]:
-    """The DHT schema of a run, its fields named as the keys without the ``run_id + '_'`` prefix
-    (``stage_key``, ``trainers_key``, ``manifest_key``, ``accusations_key``):
-    ``stage0``..``stage{num_stages-1}``, ``trainers``, ``manifest``, ``accusations``; each a dictionary from owner
+def run_schema() -> Type[pydantic_v1.BaseModel]:
+    """The DHT schema of a run's keys, one field per kind of key: ``stage`` (every shard of every stage's
+    directory, ``shard_key``), ``trainers``, ``manifest``, ``accusations``; each a dictionary from owner
     subkeys to a record (or None, a withdrawn record)."""
+    fields: Dict[str, Any] = {"stage": (Dict[BytesWithPublicKey, Optional[_PEER_WIRE]], None),
+                              "trainers": (Dict[BytesWithPublicKey, Optional[_TRAINER_WIRE]], None),
+                              "manifest": (Dict[BytesWithPublicKey, Optional[_ManifestWire]], None),
+                              "accusations": (Dict[BytesWithPublicKey, Optional[_ACCUSATION_WIRE]], None)}
+    return pydantic_v1.create_model("RunSchema", __base__=_WireSchema, **fields)
+
+
+def run_key_kinds(run_id: str, num_stages: int) -> Dict[str, str]:
+    """Every key of a run -> the ``run_schema`` field that holds it to its record type."""
     if not isinstance(num_stages, int) or not 1 <= num_stages <= MAX_STAGES:
         raise ValueError(f"num_stages must be an integer in 1..{MAX_STAGES}, got {num_stages!r}")
-    fields: Dict[str, Any] = {
-        f"stage{stage}": (Dict[BytesWithPublicKey, Optional[_PEER_WIRE]], None) for stage in range(num_stages)}
-    fields["trainers"] = (Dict[BytesWithPublicKey, Optional[_TRAINER_WIRE]], None)
-    fields["manifest"] = (Dict[BytesWithPublicKey, Optional[_ManifestWire]], None)
-    fields["accusations"] = (Dict[BytesWithPublicKey, Optional[_ACCUSATION_WIRE]], None)
-    return pydantic_v1.create_model(f"RunSchema{num_stages}", __base__=_WireSchema, **fields)
+    kinds = {shard_key(run_id, stage, level, shard): "stage" for stage in range(num_stages)
+             for level in range(MAX_LEVEL + 1) for shard in range(shard_count(level))}
+    kinds.update({trainers_key(run_id): "trainers", manifest_key(run_id): "manifest",
+                  accusations_key(run_id): "accusations"})
+    return kinds
+
+
+class RunSchemaValidator(SchemaValidator):
+    """hivemind's ``SchemaValidator`` over ``run_schema``, with many keys per field: a run has one field per
+    kind of record but a key per directory shard (hundreds per stage), and one schema field per key would
+    make every validation walk them all."""
+
+    def __init__(self, run_id: str, num_stages: int):
+        super().__init__(run_schema(), allow_extra_keys=True)
+        self._key_id_to_field_name = {DHTID.generate(source=key).to_bytes(): kind
+                                      for key, kind in run_key_kinds(validate_run_id(run_id), num_stages).items()}
 
 
 def run_schema_validator(run_id: str, num_stages: int) -> SchemaValidator:
     """A validator that holds the run's keys to ``run_schema``; other keys (averaging) stay free."""
-    return SchemaValidator(run_schema(num_stages), allow_extra_keys=True, prefix=validate_run_id(run_id))
+    return RunSchemaValidator(run_id, num_stages)
 
 
 # ---- snapshots for the policies ----

@@ -16,7 +16,7 @@ from swarm.dashboard.server import StateBox
 from swarm.dashboard.state import Snapshot, build_state
 from swarm.records import AccusationRecord, PeerRecord, TrainerRecord
 from tests.utils.processes import RoleProcess, stop_all
-from tests.test_metrics import free_port, samples_of, scrape, wait_for_scrape
+from tests.test_metrics import free_port, samples_of, wait_for_scrape
 
 Samples = Dict[str, float]
 

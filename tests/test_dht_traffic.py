@@ -4,23 +4,26 @@ import math
 
 import pytest
 
-from swarm.simulate.dht_traffic import MESSAGE_CAP_BYTES, TrafficModel, calibrate, per_peer_bytes_per_s, stage_value_bytes
+from swarm.policy.directory import SHARD_CAPACITY
+from swarm.simulate.dht_traffic import MESSAGE_CAP_BYTES, TrafficModel, calibrate, per_peer_bytes_per_s, shard_value_bytes
 
 
-def test_stage_value_holds_every_replica_record():
-    model = TrafficModel(record_bytes=1000.0, num_stages=8)
-    assert stage_value_bytes(model, 16) == 2 * 1000.0
-    assert stage_value_bytes(model, 10_000) == 1250 * 1000.0
-    assert stage_value_bytes(model, 10_000) < MESSAGE_CAP_BYTES  # 8 stages: one stage's value fits
-    assert stage_value_bytes(TrafficModel(record_bytes=1000.0, num_stages=2), 10_000) > MESSAGE_CAP_BYTES
+def test_the_largest_message_is_one_shard_far_below_the_cap_at_ten_thousand_peers():
+    model = TrafficModel(record_bytes=2048.0, num_stages=2)
+    assert shard_value_bytes(model, 16) == 8 * 2048.0  # a small stage: one key, every replica
+    for peers in (1000, 10_000):
+        assert shard_value_bytes(model, peers) <= 2 * SHARD_CAPACITY * 2048.0
+    assert shard_value_bytes(model, 10_000) < MESSAGE_CAP_BYTES / 50
 
 
-def test_reads_of_every_stage_grow_linearly_and_stores_logarithmically():
-    model = TrafficModel(record_bytes=1000.0, num_stages=8)
-    small, large = per_peer_bytes_per_s(model, 1000), per_peer_bytes_per_s(model, 10_000)
-    assert large["store"] / small["store"] < math.log2(10_000) / math.log2(1000) + 0.01
-    assert large["read"] / small["read"] == pytest.approx(10.0, rel=0.05)
-    assert large["total"] == pytest.approx(large["store"] + large["read"])
+def test_per_peer_traffic_grows_at_most_logarithmically():
+    model = TrafficModel(record_bytes=1500.0, num_stages=2)
+    sizes = [64, 256, 1000, 10_000]
+    rates = [per_peer_bytes_per_s(model, n)["total"] for n in sizes]
+    for (small, low), (large, high) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):
+        assert high / low <= math.log2(large) / math.log2(small) * 1.05, (small, large, low, high)
+    parts = per_peer_bytes_per_s(model, 1000)
+    assert parts["total"] == pytest.approx(parts["store"] + parts["read"] + parts["probe"])
 
 
 def test_calibration_recovers_the_overhead():

@@ -9,7 +9,6 @@ import pytest
 from swarm.planner import CostModel, Network, SearchConfig, Workload, load_scenario, search
 from swarm.planner.balanced import FastCost
 from swarm.planner.certificate import admissible_rows, certify_optimal, class_is_empty, type_clusters
-from swarm.planner.bounds import enumerate_rows
 from swarm.planner.symmetry import TypedCost
 
 

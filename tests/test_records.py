@@ -24,7 +24,8 @@ from hivemind.utils.crypto import RSAPublicKey
 
 from swarm.config import NetworkConfig
 from swarm.dht import start_dht
-from swarm.dht_io import fetch_records, fetch_stage_records, store_record
+from swarm.directory import fetch_stage_records
+from swarm.dht_io import fetch_records, store_record
 from swarm.identity import load_or_create_identity, peer_id_of
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_COUNT, PeerRecord, TrainerRecord, check_record, manifest_key, parse_records,

@@ -34,7 +34,8 @@ from swarm.client.verification import ReplyVerifier
 from swarm.config import TrainerConfig
 from swarm.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
 from swarm.dht import start_run_dht
-from swarm.dht_io import fetch_records, fetch_stage_records, store_record
+from swarm.directory import Directory
+from swarm.dht_io import fetch_records, store_record
 from swarm.metrics import MetricsServer, start_metrics_server, trainer_registry
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.routing import Router
@@ -102,6 +103,7 @@ class Trainer:
         self._same_run = RunFilter(self.run)
         self.ledger = Ledger(LedgerPolicy(config.peer_grace_s, LOST_AFTER_GRACES * config.peer_grace_s))
         self.records: Dict[str, PeerRecord] = {}
+        self.directory: Optional[Directory] = None  # the run's stage directories as this trainer reads them
         self._snapshot: Tuple[PeerInfo, ...] = ()
         self._shunned: Set[str] = set()  # replicas most of whose stage-mates banned them from averaging
         self._refresh_now = asyncio.Event()
@@ -176,9 +178,10 @@ class Trainer:
 
     async def _fetch_records(self, strict: bool) -> Dict[str, PeerRecord]:
         """The run's peer records; peers that announce other run settings are left out."""
-        records = await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages,
-                                            timeout=self.config.refresh_period_s * 5, strict=strict)
-        return self._same_run(records)
+        if self.directory is None:
+            self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=str(self.dht.peer_id))
+        await self.directory.read(timeout=self.config.refresh_period_s * 5, strict=strict)
+        return self._same_run(self.directory.records())
 
     def _settle(self, now: float) -> None:
         """Commit what the records confirm; start re-sends and step_members questions (never awaited here).

@@ -21,7 +21,8 @@ from swarm.dashboard.history import History
 from swarm.dashboard.join import JoinInfo, majority_run_hash
 from swarm.dashboard.server import StateBox
 from swarm.dashboard.state import Snapshot, build_state, history_point
-from swarm.dht_io import fetch_records, fetch_stage_records
+from swarm.directory import fetch_stage_records
+from swarm.dht_io import fetch_records
 from swarm.manifest import ManifestError, fetch_manifest, peer_id_in_address, run_hash
 from swarm.records import AccusationRecord, PeerRecord, TrainerRecord, accusations_key, trainers_key
 from swarm.rpc import call_peer

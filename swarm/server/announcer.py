@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from swarm import PROTOCOL_VERSION
-from swarm.dht_io import store_record
-from swarm.records import PeerRecord, stage_key
+from swarm.records import PeerRecord
 from swarm.server.stepping import FAST_PERIOD_S
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ class Announcer:
 
     async def announce(self) -> None:
         peer = self.peer
-        await store_record(peer.dht, stage_key(peer.run.run_id, peer.stage), self.record(), peer.config.expiration_s)
+        await peer.directory.store(self.record(), peer.config.expiration_s)
 
     async def run(self) -> None:
         """Announce every announce period, and every ``FAST_PERIOD_S`` while the stage nears its global batch."""

@@ -25,7 +25,7 @@ from swarm.agreement import RunFilter, check_run_agreement
 from swarm.config import PeerConfig
 from swarm.auth import Allowlist
 from swarm.dht import identity_of, start_run_dht
-from swarm.dht_io import fetch_stage_records
+from swarm.directory import Directory
 from swarm.metrics import MetricsServer, peer_registry, start_metrics_server
 from swarm.reach import Dialer, dialer_for
 from swarm.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
@@ -63,6 +63,7 @@ class StagePeer:
         self.batcher: Optional[ForwardBatcher] = None
         self.backward_batcher: Optional[BackwardBatcher] = None  # None: backward requests run one per call
         self.steps: Optional[StepCoordinator] = None
+        self.directory: Optional[Directory] = None  # the run's stage directories as this peer reads them
         self.dialer: Optional[Dialer] = None  # connects p2pd to stage-mates at the addresses they announce
         self.maddrs: List[str] = []  # the addresses this peer announces
         self.reachability: Optional[Verdict] = None  # whether other machines can reach it, checked at start
@@ -95,8 +96,9 @@ class StagePeer:
         self.reachability = await reach_or_relay(self, owns_dht)
         p2p = await self.dht.replicate_p2p()
         self.dialer = dialer_for(p2p)
-        records = await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages)
-        await check_run_agreement(p2p, records, self.run)
+        self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=self.peer_id)
+        await self.directory.read()
+        await check_run_agreement(p2p, self.directory.records(), self.run)
         await self._serve_stage(await self.joining.choose_stage())
         self.servicer = RPCServicer(
             {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler()},
@@ -205,11 +207,14 @@ class StagePeer:
             self.queued -= 1
 
     async def fetch_records(self) -> Dict[str, PeerRecord]:
-        """The run's peer records, every stage; records of peers with other run settings are left out.
+        """The run's peer records as this peer sees them; records of peers with other run settings are left out.
 
-        Connects p2pd to the stage-mates it is not connected to yet, at the addresses they announce:
-        averaging and state downloads reach them by peer id alone."""
-        records = self._same_run(await fetch_stage_records(self.dht, self.run.run_id, self.run.num_stages))
+        Its own stage is read on every call (steps are coordinated from it), the other stages at most once an
+        announce period (they matter to joining and rebalancing only). Connects p2pd to the stage-mates it is
+        not connected to yet, at the addresses they announce: averaging and state downloads reach them by peer
+        id alone."""
+        await self.directory.read(self.directory.stages_due(self.stage, self.config.announce_period_s))
+        records = self._same_run(self.directory.records())
         if self.dialer is not None:
             await self.dialer.ensure_all(r.peer_id for r in records.values()
                                          if r.stage == self.stage and r.peer_id != self.peer_id)

@@ -1,11 +1,18 @@
 """A model of the control plane's DHT traffic: bytes per second per peer and the largest message, by swarm size.
 
-Every peer re-stores its record every ``announce_period_s`` (a store reaches ``replication`` nodes after a
-Kademlia lookup of ``log2(N)`` hops, each hop a small request) and reads every stage's key every
-``read_period_s`` (one lookup per key: ``log2(N)`` small hops, and the value itself from the nodes that
-hold it). A stage's key is one DHT value, a dictionary of its replicas' records: reading it moves
-``N / num_stages`` records, so the reads of all stages move every record of the swarm.
-``calibrate`` fits the per-hop bytes and a per-byte overhead to live measurements.
+It follows the live layout and readers (:mod:`swarm.policy.directory`, :mod:`swarm.directory`): a
+stage's records are split into ``2**level`` shards of about ``SHARD_CAPACITY`` records. Every peer
+
+- re-stores its record every ``announce_period_s`` at each level it writes (``write_levels``; a store
+  is a Kademlia lookup of ``log2(N)`` hops, then the record to ``replication`` nodes);
+- reads its own stage every ``read_period_s`` (its own shard and ``rotate`` more), and every other stage
+  every ``announce_period_s`` (the same number of shards): one lookup per shard, ``log2(N)`` small hops,
+  and the shard's records from one holder;
+- probes every stage every ``probe_period_s``: ``chains`` chains of one shard per level, of which the
+  levels written hold records (about a shard's worth per level written).
+
+Per-peer traffic is then ``O(log N)`` (the hops), and the largest message is one shard. ``calibrate``
+fits a per-byte overhead to live measurements.
 """
 
 from __future__ import annotations
@@ -15,7 +22,9 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Sequence
 
-__all__ = ["TrafficModel", "stage_value_bytes", "per_peer_bytes_per_s", "calibrate", "MESSAGE_CAP_BYTES"]
+from swarm.policy.directory import MAX_LEVEL, level_for, shard_count, write_levels
+
+__all__ = ["TrafficModel", "shard_value_bytes", "per_peer_bytes_per_s", "calibrate", "MESSAGE_CAP_BYTES"]
 
 MESSAGE_CAP_BYTES = 4 * 1024 * 1024  # hivemind's cap on a unary protobuf message
 
@@ -24,8 +33,11 @@ MESSAGE_CAP_BYTES = 4 * 1024 * 1024  # hivemind's cap on a unary protobuf messag
 class TrafficModel:
     record_bytes: float  # a stored record: msgpack, signature and owner subkey
     num_stages: int
-    announce_period_s: float = 1.0  # live PeerConfig.announce_period_s
-    read_period_s: float = 0.25  # live PeerConfig.poll_period_s: a peer reads every stage this often
+    announce_period_s: float = 1.0  # live PeerConfig.announce_period_s: stores, and reads of the other stages
+    read_period_s: float = 0.25  # live PeerConfig.poll_period_s: reads of the peer's own stage
+    probe_period_s: float = 10.0  # swarm.directory.PROBE_PERIOD_S
+    chains: int = 2  # swarm.directory.PROBE_CHAINS
+    rotate: int = 1  # shards a read covers besides the reader's own
     replication: int = 5  # nodes a value is stored on (hivemind's num_replicas default)
     hop_bytes: float = 600.0  # request + reply of one lookup hop without values
     overhead: float = 1.0  # bytes on the wire per byte of value (calibrated)
@@ -35,9 +47,14 @@ class TrafficModel:
             raise ValueError("num_stages >= 1 and positive record size and periods are required")
 
 
-def stage_value_bytes(model: TrafficModel, num_peers: int) -> float:
-    """Bytes of one stage's value (all its replicas' records): the largest message a read returns."""
-    return math.ceil(num_peers / model.num_stages) * model.record_bytes
+def _stage_size(model: TrafficModel, num_peers: int) -> int:
+    return math.ceil(num_peers / model.num_stages)
+
+
+def shard_value_bytes(model: TrafficModel, num_peers: int) -> float:
+    """Bytes of one shard's value at the level of the stage's size: the largest message a read returns."""
+    size = _stage_size(model, num_peers)
+    return math.ceil(size / shard_count(level_for(size))) * model.record_bytes
 
 
 def _hops(num_peers: int) -> float:
@@ -45,14 +62,22 @@ def _hops(num_peers: int) -> float:
 
 
 def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float]:
-    """Bytes per second one peer sends and receives, by what for (``store``, ``read``, ``total``)."""
-    hops = _hops(num_peers)
-    store = (hops * model.hop_bytes + model.replication * model.record_bytes * model.overhead) / model.announce_period_s
-    # every record is read once per read period by every reader (from one holder): N records per read
-    read = (model.num_stages * hops * model.hop_bytes
-            + num_peers * model.record_bytes * model.overhead) / model.read_period_s
+    """Bytes per second one peer sends and receives, by what for (``store``, ``read``, ``probe``, ``total``)."""
+    hops, size = _hops(num_peers), _stage_size(model, num_peers)
+    level = level_for(size)
+    shards_read = min(1 + model.rotate, shard_count(level))
+    shard_records = size / shard_count(level)
+    lookup = hops * model.hop_bytes
+    store = len(write_levels(size)) * (lookup + model.replication * model.record_bytes * model.overhead)
+    one_stage = shards_read * (lookup + shard_records * model.record_bytes * model.overhead)
+    reads_per_s = 1 / model.read_period_s + (model.num_stages - 1) / model.announce_period_s
+    written = len(write_levels(size))
+    probe = model.chains * ((MAX_LEVEL + 1) * lookup + written * shard_records * model.record_bytes * model.overhead)
     # what others send to this peer while it serves their lookups and stores is, on average, as much again
-    return {"store": 2 * store, "read": 2 * read, "total": 2 * (store + read)}
+    rates = {"store": 2 * store / model.announce_period_s, "read": 2 * one_stage * reads_per_s,
+             "probe": 2 * probe * model.num_stages / model.probe_period_s}
+    rates["total"] = sum(rates.values())
+    return rates
 
 
 def calibrate(model: TrafficModel, measured: Sequence[tuple]) -> TrafficModel:

@@ -11,7 +11,7 @@ from hivemind.p2p import PeerID
 from swarm.auth import authorizer_for
 from swarm.config import NetworkConfig
 from swarm.dht import start_dht
-from swarm.dht_io import fetch_stage_records
+from swarm.directory import fetch_stage_records
 from swarm.identity import Identity
 from swarm.records import PeerRecord
 from swarm.rpc import call_peer

@@ -1,0 +1,104 @@
+"""How a stage's peer records are spread over DHT keys, and which of those keys a reader reads.
+
+One DHT value holding every replica of a stage grows with the stage: at a few thousand replicas it
+passes p2pd's 4 MiB message cap, and every reader moves every record on every poll. So a stage's
+directory is cut into *shards*: at *level* ``b`` the stage has ``2**b`` shards, and a record lives
+in the shard numbered by the top ``b`` bits of a hash of its owner's id. The level follows the size
+of the stage (``level_for``: each shard holds about ``SHARD_CAPACITY`` records), so a small stage
+stays one key, exactly the single stage key of an unsharded layout.
+
+Writers and readers need not agree on the size exactly: a writer stores its record at every level
+that a size within ``WRITE_BAND`` of its own estimate maps to (at most two), so a reader whose
+estimate differs by less than that still finds it. Every reader estimates the size alike, by a
+*probe*: it reads its own shard at every level and weights what it finds by the chance of finding
+it (``probe_estimate``, without bias whichever levels the writers chose); it then reads the level
+of that size. Between probes it reads its own shard and ``rotate`` more shards per poll, round
+robin (``shards_to_read``), so what one read moves is bounded by the shard size whatever the
+swarm's size; a reader of a stage of ``2**b`` shards sees all of it within ``2**b / rotate`` polls.
+
+Pure functions, so that the traffic model (:mod:`swarm.simulate.dht_traffic`) and tests use the
+same layout as the live readers (:mod:`swarm.directory`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Iterable, List, Tuple
+
+__all__ = ["SHARD_CAPACITY", "MAX_LEVEL", "WRITE_BAND", "level_for", "write_levels", "shard_of", "shard_count",
+           "probe_estimate", "shards_to_read", "probe_due", "coverage_polls"]
+
+SHARD_CAPACITY = 16  # records a shard holds at most when the level matches the stage's size
+MAX_LEVEL = 8  # at most 256 shards a stage (4,096 replicas at capacity; past that shards grow, to 4 MiB at ~500,000)
+WRITE_BAND = 1.4  # a writer covers sizes within this factor of its estimate (< 2: at most two levels)
+_HASH_BITS = 64
+
+
+def level_for(stage_size: float) -> int:
+    """The level at which a stage of ``stage_size`` replicas has about ``SHARD_CAPACITY`` records a shard."""
+    if not stage_size > SHARD_CAPACITY:  # also NaN and negative sizes: one key
+        return 0
+    return min(MAX_LEVEL, math.ceil(math.log2(stage_size / SHARD_CAPACITY)))
+
+
+def write_levels(stage_size: float) -> Tuple[int, ...]:
+    """The levels a writer stores its record at: those of every size within ``WRITE_BAND`` of its estimate."""
+    return tuple(sorted({level_for(stage_size / WRITE_BAND), level_for(stage_size), level_for(stage_size * WRITE_BAND)}))
+
+
+def shard_count(level: int) -> int:
+    if not 0 <= level <= MAX_LEVEL:
+        raise ValueError(f"level must be in 0..{MAX_LEVEL}, got {level}")
+    return 2 ** level
+
+
+def shard_of(record_id: str, level: int) -> int:
+    """The shard of ``record_id`` at ``level``: the top ``level`` bits of its SHA-256, so that shard ``j`` at
+    level ``b`` splits into shards ``2j`` and ``2j + 1`` at level ``b + 1``."""
+    count = shard_count(level)
+    if count == 1:
+        return 0
+    digest = int.from_bytes(hashlib.sha256(record_id.encode()).digest()[:8], "big")
+    return digest >> (_HASH_BITS - level)
+
+
+def probe_estimate(found_at: Iterable[int]) -> float:
+    """The stage's size from a probe: ``found_at`` holds, for every distinct record the probe found, the lowest
+    level it was found at. A record written at levels ``b..b+1`` is in the reader's own shard at ``b`` with
+    probability ``2**-b`` and, shards being nested, whenever it is there at ``b + 1`` it is there at ``b`` too:
+    so its lowest level found is its lowest level written, and weighting each record by ``2**level`` (the
+    inverse of its chance to be found) estimates the size without bias, whatever level each writer chose."""
+    return float(sum(shard_count(level) for level in found_at))
+
+
+def shards_to_read(level: int, home: int, cursor: int, rotate: int) -> Tuple[List[int], int]:
+    """The shards one read covers: the reader's own shard ``home`` and the next ``rotate`` others, round
+    robin from ``cursor``; and the cursor for the next read. ``rotate < 0`` reads every shard."""
+    count = shard_count(level)
+    if rotate < 0 or rotate + 1 >= count:
+        return list(range(count)), 0
+    others: List[int] = []
+    position = cursor % count
+    while len(others) < rotate:
+        if position != home:
+            others.append(position)
+        position = (position + 1) % count
+    return [home, *others], position
+
+
+def probe_due(level: int, home_count: int, estimated_size: float, since_probe_s: float, period_s: float) -> bool:
+    """Whether to probe every level again: periodically, or at once when the reader's own shard says the
+    stage left the range of its level (the writers may have moved to another level)."""
+    if since_probe_s >= period_s:
+        return True
+    if level > 0 and home_count == 0:  # (-1: not read yet)
+        return True
+    return level_for(estimated_size) != level and write_levels(estimated_size).count(level) == 0
+
+
+def coverage_polls(level: int, rotate: int) -> float:
+    """Polls a reader needs to see every shard once."""
+    count = shard_count(level)
+    return 1.0 if rotate < 0 or rotate + 1 >= count else math.ceil((count - 1) / rotate)
+

@@ -1,0 +1,245 @@
+"""The sharded stage directory: layout (pure), and readers and writers over a DHT that keeps values in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from types import SimpleNamespace
+from typing import Dict, List
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import MSGPackSerializer, ValueWithExpiration
+
+import swarm.directory as directory_module
+import swarm.dht_io as dht_io
+import swarm.policy.directory as layout
+from swarm import PROTOCOL_VERSION
+from swarm.directory import Directory
+from swarm.identity import load_or_create_identity
+from swarm.policy.directory import (
+    MAX_LEVEL, SHARD_CAPACITY, coverage_polls, probe_estimate, level_for, shard_count, shard_of, shards_to_read,
+    write_levels,
+)
+from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
+from swarm.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, shard_key, stage_key
+
+# ---- the layout ----
+
+
+def test_small_stages_stay_one_key_and_large_ones_split_to_about_capacity():
+    assert level_for(0) == level_for(1) == level_for(SHARD_CAPACITY) == 0
+    assert level_for(SHARD_CAPACITY + 1) == 1
+    for size in (100, 1000, 4096):
+        assert SHARD_CAPACITY / 2 < size / shard_count(level_for(size)) <= SHARD_CAPACITY
+    assert level_for(10**9) == MAX_LEVEL
+    assert level_for(float("nan")) == 0
+    assert shard_key("r", 3, 0, 0) == stage_key("r", 3)
+    with pytest.raises(ValueError):
+        shard_key("r", 3, 2, 4)
+
+
+def test_a_writer_covers_its_neighbouring_level_and_never_more_than_two():
+    for size in range(1, 5000):
+        levels = write_levels(size)
+        assert level_for(size) in levels and len(levels) <= 2 and levels == tuple(range(levels[0], levels[-1] + 1))
+    # every reader whose estimate is within the band of the writer's finds the record at its own level
+    rng = random.Random(0)
+    for _ in range(2000):
+        size = rng.uniform(1, 5000)
+        reader = size * rng.uniform(1 / layout.WRITE_BAND, layout.WRITE_BAND)
+        assert level_for(reader) in write_levels(size)
+
+
+def test_shards_split_in_two_from_one_level_to_the_next():
+    ids = [f"peer{i}" for i in range(200)]
+    for level in range(MAX_LEVEL):
+        assert all(shard_of(i, level + 1) >> 1 == shard_of(i, level) for i in ids)
+    counts = [0] * 16
+    for i in ids:
+        counts[shard_of(i, 4)] += 1
+    assert max(counts) < 3 * 200 / 16  # a hash, not a prefix of the text
+
+
+def test_a_reader_sees_every_shard_within_its_coverage_and_reads_few_at_once():
+    level, home = 5, 7
+    seen, cursor = set(), 0
+    for _ in range(coverage_polls(level, rotate=2)):
+        shards, cursor = shards_to_read(level, home, cursor, rotate=2)
+        assert len(shards) == 3 and shards[0] == home
+        seen.update(shards)
+    assert seen == set(range(32))
+    assert shards_to_read(2, 1, 0, rotate=-1)[0] == [0, 1, 2, 3]
+    assert shards_to_read(0, 0, 0, rotate=1)[0] == [0]
+
+
+def _lowest(layout_map: Dict[tuple, set], home: str) -> List[int]:
+    """What a probe by ``home`` finds: the lowest level of every record in its own shards."""
+    lowest: Dict[str, int] = {}
+    for level in range(MAX_LEVEL + 1):
+        for peer_id in layout_map.get((level, shard_of(home, level)), ()):
+            lowest[peer_id] = min(level, lowest.get(peer_id, level))
+    return list(lowest.values())
+
+
+@pytest.mark.parametrize("size", [3, 40, 300, 5000])
+def test_a_probe_finds_the_level_the_writers_use(size):
+    rng = random.Random(size)
+    layout_map: Dict[tuple, set] = {}
+    ids = [f"p{size}-{i}" for i in range(size)]
+    for peer_id in ids:  # each writer's estimate of the size is off by up to 15%
+        for level in write_levels(size * rng.uniform(0.85, 1.15)):
+            layout_map.setdefault((level, shard_of(peer_id, level)), set()).add(peer_id)
+    level = level_for(probe_estimate(_lowest(layout_map, "reader")))
+    found = set().union(*(layout_map.get((level, shard), set()) for shard in range(shard_count(level))))
+    assert found == set(ids), f"level {level}: {len(found)} of {size}"
+    assert max(len(v) for (lvl, _), v in layout_map.items() if lvl == level) <= 2.5 * SHARD_CAPACITY
+    assert probe_estimate([]) == 0.0
+
+
+# ---- the largest record ----
+
+
+def test_the_largest_record_stays_under_2_kb_signed():
+    """Every field at its bound, signed by a 2048-bit RSA key (the size libp2p and the DHT use), with its subkey."""
+    identity = load_or_create_identity(None)
+    record = PeerRecord(
+        version=PROTOCOL_VERSION, peer_id="p" * MAX_ID_LENGTH, stage=4095, state="joining", throughput=1e12,
+        queue_length=MAX_COUNT, step=MAX_COUNT, accum_step=MAX_COUNT, samples_pending=MAX_COUNT,
+        samples_frozen=MAX_COUNT, samples_admitted=MAX_COUNT, samples_applied=MAX_COUNT, digest="f" * 64,
+        samples_processed=MAX_COUNT, contributed_base=MAX_COUNT, contributed_bits=2**64 - 1,
+        tentative_bits=2**64 - 1, resets=MAX_COUNT, reset_from=MAX_COUNT, run_hash="h" * 16,
+        excluded="x" * (MAX_EXCLUDED * (MAX_ID_LENGTH + 1)), maddrs="m" * (MAX_MADDRS * (MAX_MADDR_CHARS + 1)))
+    dht_record = DHTRecord(key=DHTID.generate(source=stage_key("r", 0)).to_bytes(),
+                           subkey=MSGPackSerializer.dumps(identity.owner_subkey),
+                           value=MSGPackSerializer.dumps(record.model_dump(mode="json")), expiration_time=1e10)
+    signed = RSASignatureValidator(identity.private_key).sign_value(dht_record)
+    assert len(signed) > len(dht_record.value)  # the signature is in
+    assert len(signed) + len(identity.owner_subkey) < 2048
+
+
+# ---- readers and writers over an in-memory DHT ----
+
+
+class _Clock:
+    now = 1000.0
+
+
+class _MemoryDHT:
+    """The two calls the directory makes (``store``, ``run_coroutine`` of a lookup), over a shared dict."""
+
+    def __init__(self, table: Dict[str, Dict[bytes, ValueWithExpiration]], identity, reads: List[int]):
+        self.table, self.identity, self.reads = table, identity, reads
+
+    def store(self, key, value, expiration_time, subkey, return_future):
+        self.table.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(True)
+        return future
+
+    def run_coroutine(self, fn, return_future):
+        found = {}
+        for key in fn.keywords["keys"]:
+            live = {subkey: item for subkey, item in self.table.get(key, {}).items()
+                    if item.expiration_time > _Clock.now}
+            self.reads.append(len(live))
+            found[key] = ValueWithExpiration(live, max(i.expiration_time for i in live.values())) if live else None
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(found)
+        return future
+
+
+def _record(identity, stage: int) -> PeerRecord:
+    return PeerRecord(version=PROTOCOL_VERSION, peer_id=identity.peer_id, stage=stage, state="online",
+                      throughput=1.0, queue_length=0, step=0, accum_step=0, samples_pending=0, samples_applied=0)
+
+
+@pytest.fixture(scope="module")
+def identities():
+    return [load_or_create_identity(None) for _ in range(40)]
+
+
+def test_a_growing_stage_moves_to_shards_and_a_new_reader_sees_all_of_it_a_few_shards_at_a_time(
+        identities, monkeypatch):
+    monkeypatch.setattr(layout, "SHARD_CAPACITY", 10)  # 40 replicas: 4 shards of 10, two levels up
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(dht_io, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(directory_module, "time", SimpleNamespace(monotonic=lambda: _Clock.now))
+    table, reads = {}, []
+    writers = [Directory(_MemoryDHT(table, identity, reads), "run", 2, home=identity.peer_id) for identity in identities]
+
+    async def announce_rounds(rounds: int) -> None:
+        for _ in range(rounds):
+            for writer, identity in zip(writers, identities):
+                await writer.read([1])
+                assert await writer.store(_record(identity, 1), expiration_s=6.0)
+            _Clock.now += 2.0
+
+    asyncio.run(announce_rounds(60))
+    # each writer reads two shards a poll, so it sees part of the stage, but all agree on its size and level
+    assert {writer.levels()[1] for writer in writers} <= {2, 3}, [w.levels() for w in writers]
+    assert all(26 <= writer.size(1) <= 60 for writer in writers), [w.size(1) for w in writers]
+    # level 0 holds only the records of the first rounds, expired
+    assert all(item.expiration_time <= _Clock.now for item in table[stage_key("run", 1)].values())
+
+    reader_identity = load_or_create_identity(None)
+    reads.clear()
+    reader = Directory(_MemoryDHT(table, reader_identity, reads), "run", 2, home=reader_identity.peer_id, rotate=1)
+
+    async def poll(times: int) -> None:
+        for _ in range(times):
+            await reader.read([1])
+
+    asyncio.run(poll(1))  # the probe: one shard per level, along four chains
+    level = reader.levels()[1]
+    assert level in (2, 3) and len(reads) <= 4 * (MAX_LEVEL + 1)
+    asyncio.run(poll(int(coverage_polls(level, rotate=1))))
+    assert set(reader.records()) == {identity.peer_id for identity in identities}
+    assert max(reads) <= 2.5 * 10  # no key read held much more than a shard's capacity
+
+
+def test_a_small_stage_is_read_whole_and_a_withdrawn_record_leaves_the_view(identities, monkeypatch):
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(dht_io, "get_dht_time", lambda: _Clock.now)
+    table, reads = {}, []
+    dhts = [_MemoryDHT(table, identity, reads) for identity in identities[:3]]
+    writers = [Directory(dht, "run", 1, home=dht.identity.peer_id) for dht in dhts]
+
+    async def go():
+        for writer, dht in zip(writers, dhts):
+            await writer.store(_record(dht.identity, 0), expiration_s=6.0)
+        await writers[0].read()
+        assert set(writers[0].records()) == {dht.identity.peer_id for dht in dhts}
+        assert list(table) == [stage_key("run", 0)]  # one key: the layout of a small run
+        del table[stage_key("run", 0)][dhts[2].identity.owner_subkey]
+        writers[0].stages[0].probed_at = _Clock.now  # no probe due: the whole level-0 key is read
+        await writers[0].read()
+        assert set(writers[0].records()) == {dht.identity.peer_id for dht in dhts[:2]}
+
+    asyncio.run(go())
+
+
+def test_a_failed_read_keeps_the_view_or_raises_when_strict(identities, monkeypatch):
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(dht_io, "get_dht_time", lambda: _Clock.now)
+    table, reads = {}, []
+    dht = _MemoryDHT(table, identities[0], reads)
+    reader = Directory(dht, "run", 1, home=identities[0].peer_id)
+
+    async def go():
+        await reader.store(_record(identities[0], 0), expiration_s=6.0)
+        assert await reader.read()
+
+        def broken(fn, return_future):
+            raise ConnectionError("DHT process gone")
+        dht.run_coroutine = broken
+        assert not await reader.read()
+        assert set(reader.records()) == {identities[0].peer_id}
+        with pytest.raises(LookupError):
+            await reader.read(strict=True)
+
+    asyncio.run(go())
+    assert math.isfinite(reader.size(0))
