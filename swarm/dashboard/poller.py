@@ -21,7 +21,7 @@ from swarm.dashboard.history import History
 from swarm.dashboard.join import JoinInfo, majority_run_hash
 from swarm.dashboard.server import StateBox
 from swarm.dashboard.state import Snapshot, build_state, history_point
-from swarm.directory import fetch_stage_records
+from swarm.directory import Directory
 from swarm.dht_io import fetch_records
 from swarm.manifest import ManifestError, fetch_manifest, peer_id_in_address, run_hash
 from swarm.records import AccusationRecord, PeerRecord, TrainerRecord, accusations_key, trainers_key
@@ -42,19 +42,22 @@ class DashboardPoller:
         self.started = time.monotonic()
         self.snapshot = Snapshot(fetched_at=time.time())
         self.polls = 0
+        self.directory: Optional[Directory] = None  # every stage read whole; made once the run's stages are known
 
     async def poll(self) -> Snapshot:
         """A fresh snapshot, or on a failed read the last one with the reason."""
         run_id, num_stages = self.join.run_id, self.join.num_stages
         try:
-            peers, trainers, accusations = await asyncio.gather(
-                fetch_stage_records(self.dht, run_id, num_stages, timeout=LOOKUP_TIMEOUT_S, strict=True),
+            if self.directory is None or self.directory.num_stages != num_stages:
+                self.directory = Directory(self.dht, run_id, num_stages, home=str(self.dht.peer_id), rotate=-1)
+            _, trainers, accusations = await asyncio.gather(
+                self.directory.read(timeout=LOOKUP_TIMEOUT_S, strict=True),
                 fetch_records(self.dht, trainers_key(run_id), TrainerRecord, timeout=LOOKUP_TIMEOUT_S, strict=True),
                 fetch_records(self.dht, accusations_key(run_id), AccusationRecord, timeout=LOOKUP_TIMEOUT_S,
                               strict=True))
         except LookupError as e:
             return dataclasses.replace(self.snapshot, error=str(e))
-        return Snapshot(peers, trainers, accusations, fetched_at=time.time())
+        return Snapshot(self.directory.records(), trainers, accusations, fetched_at=time.time())
 
     async def learn_join(self, peers: Dict[str, PeerRecord]) -> None:
         """Find what the join command needs: the organiser's manifest among the initial peers, else the run's

@@ -11,7 +11,7 @@ from hivemind.p2p import PeerID
 from swarm.auth import authorizer_for
 from swarm.config import NetworkConfig
 from swarm.dht import start_dht
-from swarm.directory import fetch_stage_records
+from swarm.directory import Directory
 from swarm.identity import Identity
 from swarm.records import PeerRecord
 from swarm.rpc import call_peer
@@ -28,13 +28,15 @@ class Probe:
         self.dht = start_dht(network, run_id=run_id, num_stages=num_stages,
                              identity=identity, authorizer=None if identity is None else authorizer_for(allowlist, identity))
         self._p2p = None
+        self._directory = Directory(self.dht, run_id, num_stages, home=self.peer_id, rotate=-1)
 
     @property
     def peer_id(self) -> str:
         return str(self.dht.peer_id)
 
     async def records(self) -> Dict[str, PeerRecord]:
-        return await fetch_stage_records(self.dht, self.run_id, self.num_stages)
+        await self._directory.read()
+        return self._directory.records()
 
     async def call(self, peer_id: str, method: str, message: Dict[str, Any], timeout: float = 30.0,
                    stream: bool = False) -> Dict[str, Any]:
