@@ -149,3 +149,15 @@ def test_simulated_slow_peers_cost_nothing_with_the_policy_and_a_lot_without():
         if result["slowdown"] >= 5:
             assert result["throughput_ratio_after_vs_before"] < 0.95, naive
     assert naive[-1]["throughput_ratio_after_vs_before"] < 0.85, naive  # the 50x slower peer: a large loss
+
+
+def test_the_peer_watch_changes_its_mind_only_past_the_margins():
+    from types import SimpleNamespace
+
+    from swarm.server.standby import StandbyWatch
+
+    watch = StandbyWatch(SimpleNamespace(peer_id="p2"))
+    assert watch.decide(_stage([50.0, 50.0, 1.0])).standby and watch.standing_by
+    assert watch.decide(_stage([50.0, 50.0, 30.0])).standby  # 1.67x: not back within 1.6x yet
+    assert not watch.decide(_stage([50.0, 50.0, 40.0])).standby and not watch.standing_by
+    assert not watch.decide(_stage([50.0, 50.0, 30.0])).standby  # serving: 1.67x is within 2x
