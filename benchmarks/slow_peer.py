@@ -2,13 +2,12 @@
 
 What runs (every address 127.0.0.1): a bootstrap, a balanced 2+2 swarm (2 stages x 2 peers, each
 with ``--delay_per_sample_s D``, a sleep per sample that costs no CPU) and 2 trainers, with global
-steps (``--target_batch_size``). Then, for each slowdown S (5 and 50 by default), in the same swarm:
+steps (``--target_batch_size``). For each slowdown S (5 and 50 by default), in a fresh such swarm:
   * ``before``: the trainers' samples/s over ``--window_s`` (from their DHT records);
   * a replica with ``--delay_per_sample_s S*D`` joins stage 0 (``--stage 0``), downloads the
     stage's state and goes online; after ``--settle_s`` (trainers time it, it may stand by):
   * ``after``: the trainers' samples/s over ``--window_s``, and the share of stage 0's samples it
     processed;
-  * it leaves (SIGTERM) before the next slowdown, and the swarm settles again.
 Its log's stand-by line (``standing by on stage 0: ...``), if any, is reported. First, the simulator's
 account of the same scenario (:mod:`swarm.simulate.slow_peer`), with and without the policy, is logged.
 
@@ -124,9 +123,6 @@ async def one_slowdown(swarm: LiveSwarm, args, slowdown: float, index: int) -> D
     after = await rate(swarm, args.window_s, watch=slow_id)
     log(f"[{slowdown:g}x] after: {after}")
     lines = standby_lines(slow.log_path)
-    await asyncio.to_thread(slow.stop, 30.0)
-    await swarm.wait_for(lambda r: len(online(r, 0)) == 2, 60.0, "the slow replica gone")
-    await asyncio.sleep(args.settle_s)
     ratio = after["samples_per_s"] / before["samples_per_s"] if before["samples_per_s"] else None
     return {"slowdown": slowdown, "throughput_ratio_after_vs_before": round(ratio, 3) if ratio is not None else None,
             "samples_per_s_before": before["samples_per_s"], "samples_per_s_after": after["samples_per_s"],
@@ -135,44 +131,57 @@ async def one_slowdown(swarm: LiveSwarm, args, slowdown: float, index: int) -> D
             "stood_by": bool(lines), "standby_line": lines[0].split(STANDBY_MARK, 1)[-1][:160] if lines else None}
 
 
+def make_swarm(args, log_dir: Path, label: str) -> LiveSwarm:
+    run_id = f"bench_slow_{label}_{uuid.uuid4().hex[:6]}"
+    routing = [] if args.slow_replica_tolerance is None else ["--slow_replica_tolerance", str(args.slow_replica_tolerance)]
+    return LiveSwarm(log_dir, run_id,
+                     run_args=["--num_stages", "2", "--target_batch_size", str(args.target_batch_size), *MODEL],
+                     peer_args=[*FAST_PEER],
+                     trainer_args=["--max_data_mb", "2", "--refresh_period_s", "0.5", "--log_period_s", "0.5",
+                                   "--duration_s", "900", "--batch_size", str(args.batch_size),
+                                   "--max_in_flight", str(args.max_in_flight), *routing])
+
+
+async def bring_up(swarm: LiveSwarm, args) -> None:
+    """A bootstrap, a balanced 2+2 swarm and the trainers, training until the first global step and a warm-up."""
+    log(f"bootstrap, 2+2 peers and {args.trainers} trainers; logs in {swarm.log_dir} (run {swarm.run_id}); "
+        f"load {os.getloadavg()}")
+    swarm.bootstrap(60.0)
+    delay = ["--delay_per_sample_s", str(args.delay_per_sample_s)]
+    peers = [swarm.peer(stage, f"s{stage}p{i}", delay) for i, stage in enumerate((0, 0, 1, 1))]
+    for process in peers:
+        await swarm.event(process, "peer_ready", 120.0)
+    await swarm.wait_for(lambda r: counts(r) == (2, 2), 60.0, "a 2+2 swarm")
+    trainers = [swarm.trainer(f"trainer{i}", ["--trainer_seed", str(i + 1)]) for i in range(args.trainers)]
+    for trainer in trainers:
+        await swarm.event(trainer, "trainer_ready", 120.0)
+    await swarm.wait_for(lambda r: any(x.step > 0 for x in r.values()), 120.0, "a first global step")
+    log(f"training with global steps; warming up {args.warmup_s:g}s")
+    await asyncio.sleep(args.warmup_s)
+
+
 async def main(args) -> List[Dict[str, Any]]:
     log_dir = make_log_dir(args.log_dir, "bench_slow_peer_")
-    run_id = f"bench_slow_{uuid.uuid4().hex[:6]}"
-    routing = [] if args.slow_replica_tolerance is None else ["--slow_replica_tolerance", str(args.slow_replica_tolerance)]
-    swarm = LiveSwarm(log_dir, run_id,
-                      run_args=["--num_stages", "2", "--target_batch_size", str(args.target_batch_size), *MODEL],
-                      peer_args=[*FAST_PEER],
-                      trainer_args=["--max_data_mb", "2", "--refresh_period_s", "0.5", "--log_period_s", "0.5",
-                                    "--duration_s", "900", "--batch_size", str(args.batch_size),
-                                    "--max_in_flight", str(args.max_in_flight), *routing])
     wall = time.monotonic()
     simulated = compare(SlowPeerScenario(slowdowns=tuple(args.slowdown_list)))
     log("simulated (swarm/simulate/slow_peer.py), throughput ratio after/before by slowdown: policy "
         f"{[(r['slowdown'], r['throughput_ratio_after_vs_before']) for r in simulated['policy']]}, throughput-proportional "
         f"routing alone {[(r['slowdown'], r['throughput_ratio_after_vs_before']) for r in simulated['naive']]}")
-    try:
-        log(f"bootstrap, 2+2 peers and {args.trainers} trainers; logs in {log_dir} (run {run_id}); load {os.getloadavg()}")
-        swarm.bootstrap(60.0)
-        delay = ["--delay_per_sample_s", str(args.delay_per_sample_s)]
-        peers = [swarm.peer(stage, f"s{stage}p{i}", delay) for i, stage in enumerate((0, 0, 1, 1))]
-        for process in peers:
-            await swarm.event(process, "peer_ready", 120.0)
-        await swarm.wait_for(lambda r: counts(r) == (2, 2), 60.0, "a 2+2 swarm")
-        trainers = [swarm.trainer(f"trainer{i}", ["--trainer_seed", str(i + 1)]) for i in range(args.trainers)]
-        for trainer in trainers:
-            await swarm.event(trainer, "trainer_ready", 120.0)
-        await swarm.wait_for(lambda r: any(x.step > 0 for x in r.values()), 120.0, "a first global step")
-        log(f"training with global steps; warming up {args.warmup_s:g}s")
-        await asyncio.sleep(args.warmup_s)
-        results = [await one_slowdown(swarm, args, slowdown, i) for i, slowdown in enumerate(args.slowdown_list)]
-        records = await swarm.probe.records()
-        log(f"done in {time.monotonic() - wall:.0f}s; global steps reached {max((r.step for r in records.values()), default=0)}; "
-            f"load {os.getloadavg()}")
-        for result in results:
+    results = []
+    for index, slowdown in enumerate(args.slowdown_list):  # a fresh balanced swarm for each slowdown
+        swarm = make_swarm(args, log_dir, f"{slowdown:g}x")
+        try:
+            await bring_up(swarm, args)
+            result = await one_slowdown(swarm, args, slowdown, index)
+            records = await swarm.probe.records()
+            result["global_steps"] = max((r.step for r in records.values()), default=0)
             result["slow_replica_tolerance"] = args.slow_replica_tolerance
-        return results
-    finally:
-        await asyncio.to_thread(swarm.close)
+            result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            results.append(result)
+        finally:
+            await asyncio.to_thread(swarm.close)
+    log(f"done in {time.monotonic() - wall:.0f}s; load {os.getloadavg()}")
+    return results
 
 
 if __name__ == "__main__":

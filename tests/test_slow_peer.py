@@ -161,3 +161,17 @@ def test_the_peer_watch_changes_its_mind_only_past_the_margins():
     assert watch.decide(_stage([50.0, 50.0, 30.0])).standby  # 1.67x: not back within 1.6x yet
     assert not watch.decide(_stage([50.0, 50.0, 40.0])).standby and not watch.standing_by
     assert not watch.decide(_stage([50.0, 50.0, 30.0])).standby  # serving: 1.67x is within 2x
+
+
+def test_a_replica_is_measured_by_its_slowest_kind_of_call():
+    router = Router(seed=3, slow_tolerance=SLOW_TOLERANCE)
+    for _ in range(4):
+        router.report_success("p0", samples=8, elapsed_s=0.08, kind="forward")
+        router.report_success("p0", samples=8, elapsed_s=0.16, kind="backward")
+        router.report_success("p1", samples=8, elapsed_s=0.08, kind="forward")  # quick forwards,
+        router.report_success("p1", samples=8, elapsed_s=4.0, kind="backward")  # 25x slower backwards
+    assert router.measured_throughput("p0") == pytest.approx(50.0)
+    assert router.measured_throughput("p1") == pytest.approx(2.0)
+    assert all(router.choose(_stage([0.0, 0.0]), 0.0).peer_id == "p0" for _ in range(200))
+    router.forget("p1")
+    assert router.measured_throughput("p1") == 0.0

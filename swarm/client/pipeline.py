@@ -233,7 +233,7 @@ class PipelineClient:
             if remaining:
                 self.in_flight[peer_id] = remaining
         self._check(peer_id, stage, method, message, reply)
-        self.router.report_success(peer_id, _samples(message), time.monotonic() - started)
+        self.router.report_success(peer_id, _samples(message), time.monotonic() - started, kind=method)
         return reply
 
     def choose_replica(self, stage: int, exclude: Collection[str]) -> Optional[str]:

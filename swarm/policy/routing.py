@@ -28,7 +28,7 @@ import itertools
 import math
 import random
 from collections import deque
-from typing import Collection, Deque, Dict, Mapping, Optional, Sequence
+from typing import Collection, Deque, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -161,7 +161,9 @@ class Router:
         self._banned_until: Dict[str, float] = {}
         self._distrusted_until: Dict[str, float] = {}  # bans for proven misbehaviour: no success lifts them
         self._num_failures: Dict[str, int] = {}
-        self._costs_s: Dict[str, Deque[float]] = {}  # peer id -> wall seconds per sample of its latest successful calls
+        # (peer id, kind of call) -> wall seconds per sample of its latest successful calls of that kind
+        self._costs_s: Dict[Tuple[str, str], Deque[float]] = {}
+        self._by_kind: Dict[str, Dict[str, float]] = {}  # peer id -> kind of call -> samples/s measured
         self._measured: Dict[str, float] = {}  # peer id -> samples/s: the measurement routing uses
 
     def choose(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = (),
@@ -246,14 +248,18 @@ class Router:
             raise ValueError(f"duration_s must be a finite number >= 0, got {duration_s!r}")
         self._distrusted_until[peer_id] = max(self._distrusted_until.get(peer_id, -math.inf), now + duration_s)
 
-    def report_success(self, peer_id: str, samples: int = 0, elapsed_s: float = 0.0) -> None:
+    def report_success(self, peer_id: str, samples: int = 0, elapsed_s: float = 0.0, kind: str = "") -> None:
         """The peer served a request: forget its failures, so its next ban starts short, and, given
         the call's ``samples`` and wall time ``elapsed_s``, update this router's measurement of it.
 
         The measurement is a low quantile of the latest calls' wall time per sample: a call to the
         clock stage can wait for the stage's global step to close (seconds, alike for every replica,
         and most often for the replica that gets the most calls), which says nothing about the
-        replica, whereas a replica that keeps requests queued is slow at that quantile too."""
+        replica, whereas a replica that keeps requests queued is slow at that quantile too.
+
+        Each ``kind`` of call (a method) is measured apart and the slowest kind is the replica's
+        measurement: a micro-batch's backward follows its forward to the same replica, so a replica
+        with quick forwards and slow backwards must not look quick."""
         if not (isinstance(samples, int) and samples >= 0):
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         if not (math.isfinite(elapsed_s) and elapsed_s >= 0):
@@ -261,9 +267,11 @@ class Router:
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
         if samples > 0 and elapsed_s > 0:
-            costs = self._costs_s.setdefault(peer_id, deque(maxlen=self.measure_window))
+            costs = self._costs_s.setdefault((peer_id, kind), deque(maxlen=self.measure_window))
             costs.append(elapsed_s / samples)
-            self._measured[peer_id] = 1.0 / float(np.quantile(costs, self.measure_quantile))
+            kinds = self._by_kind.setdefault(peer_id, {})
+            kinds[kind] = 1.0 / float(np.quantile(costs, self.measure_quantile))
+            self._measured[peer_id] = min(kinds.values())
 
     def measured_throughput(self, peer_id: str) -> float:
         """Samples per second of wall time of this router's successful calls to ``peer_id``; 0.0 = none yet."""
@@ -279,7 +287,8 @@ class Router:
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
         self._distrusted_until.pop(peer_id, None)
-        self._costs_s.pop(peer_id, None)
+        for kind in self._by_kind.pop(peer_id, {}):
+            self._costs_s.pop((peer_id, kind), None)
         self._measured.pop(peer_id, None)
 
     @staticmethod
