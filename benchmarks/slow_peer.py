@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _roles import cpu_seconds_by_kind, machine_busy_seconds  # noqa: E402
 from _swarm import FAST_PEER, LiveSwarm, counts, install_signal_handlers, log, make_log_dir, online  # noqa: E402
 from swarm.simulate.slow_peer import SlowPeerScenario, compare  # noqa: E402
 
@@ -63,15 +64,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-async def rate(swarm: LiveSwarm, window_s: float, watch: Optional[str] = None) -> Dict[str, Any]:
-    """The trainers' samples/s over a window; with ``watch``, the share of stage 0's samples that replica processed."""
+def _cpu_s(pid: Optional[int]) -> float:
+    return sum(cpu_seconds_by_kind({"slow": pid}).values()) if pid else 0.0
+
+
+async def rate(swarm: LiveSwarm, window_s: float, watch: Optional[str] = None, watch_pid: Optional[int] = None) -> Dict[str, Any]:
+    """The trainers' samples/s over a window, and how busy the machine's cores were; with ``watch``, the
+    share of stage 0's samples that replica processed and the CPU its processes (``watch_pid``'s tree) used."""
     first = await snapshot(swarm)
+    busy, cpu = machine_busy_seconds(), _cpu_s(watch_pid)
     await asyncio.sleep(window_s)
+    busy, cpu = machine_busy_seconds() - busy, _cpu_s(watch_pid) - cpu
     last = await snapshot(swarm)
     elapsed = last.t - first.t
     sent = sum(r.samples_sent for r in last.trainers.values()) - sum(r.samples_sent for r in first.trainers.values())
     result = {"samples_per_s": round(sent / elapsed, 2), "window_s": round(elapsed, 1),
-              "replicas_end": list(counts(last.peers))}
+              "replicas_end": list(counts(last.peers)), "machine_busy_cores": round(busy / window_s, 2)}
+    if watch_pid:
+        result["slow_replica_cpu_cores"] = round(cpu / window_s, 3)
     before = {r.peer_id: r.samples_processed for r in online(first.peers, 0)}
     processed = {r.peer_id: r.samples_processed - before.get(r.peer_id, 0) for r in online(last.peers, 0)}
     if watch is not None and sum(processed.values()) > 0:
@@ -105,6 +115,14 @@ async def start_slow_peer(swarm: LiveSwarm, name: str, delay: float, attempts: i
     raise RuntimeError(f"the slow replica did not start in {attempts} attempts")
 
 
+def count_lines(path: Path, mark: str) -> int:
+    """Lines of a log that contain ``mark`` (here: averaging rounds that found no group, a sign of an overloaded machine)."""
+    try:
+        return sum(mark in line for line in path.read_text(errors="replace").splitlines())
+    except OSError:
+        return 0
+
+
 def standby_lines(path: Path) -> List[str]:
     try:
         return [line.strip() for line in path.read_text(errors="replace").splitlines() if STANDBY_MARK in line]
@@ -120,15 +138,17 @@ async def one_slowdown(swarm: LiveSwarm, args, slowdown: float, index: int) -> D
     await swarm.wait_for(lambda r: len(online(r, 0)) == 3, 60.0, "the slow replica online on stage 0")
     log(f"[{slowdown:g}x] a replica {slowdown:g}x slower ({delay:g} s/sample) is online on stage 0; settling {args.settle_s:g}s")
     await asyncio.sleep(args.settle_s)
-    after = await rate(swarm, args.window_s, watch=slow_id)
+    after = await rate(swarm, args.window_s, watch=slow_id, watch_pid=slow.pid)
     log(f"[{slowdown:g}x] after: {after}")
     lines = standby_lines(slow.log_path)
     ratio = after["samples_per_s"] / before["samples_per_s"] if before["samples_per_s"] else None
     return {"slowdown": slowdown, "throughput_ratio_after_vs_before": round(ratio, 3) if ratio is not None else None,
             "samples_per_s_before": before["samples_per_s"], "samples_per_s_after": after["samples_per_s"],
             "slow_replica_share_of_stage0": after.get("slow_replica_share_of_stage0", 0.0),
+            "slow_replica_cpu_cores": after.get("slow_replica_cpu_cores"),
+            "machine_busy_cores": [before["machine_busy_cores"], after["machine_busy_cores"]],
             "stage0_throughputs_after": after["stage0_throughputs"],
-            "stood_by": bool(lines), "standby_line": lines[0].split(STANDBY_MARK, 1)[-1][:160] if lines else None}
+            "stood_by": bool(lines), "standby_line": STANDBY_MARK + lines[0].split(STANDBY_MARK, 1)[-1] if lines else None}
 
 
 def make_swarm(args, log_dir: Path, label: str) -> LiveSwarm:
@@ -175,6 +195,8 @@ async def main(args) -> List[Dict[str, Any]]:
             result = await one_slowdown(swarm, args, slowdown, index)
             records = await swarm.probe.records()
             result["global_steps"] = max((r.step for r in records.values()), default=0)
+            result["rounds_applied_alone"] = sum(count_lines(p.log_path, "applying it alone") for p in swarm.processes
+                                                 if p.role == "peer")
             result["slow_replica_tolerance"] = args.slow_replica_tolerance
             result["load_avg_1m"] = round(os.getloadavg()[0], 2)
             results.append(result)
