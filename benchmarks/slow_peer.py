@@ -35,8 +35,9 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _roles import cpu_seconds_by_kind, machine_busy_seconds  # noqa: E402
 from _swarm import FAST_PEER, LiveSwarm, counts, install_signal_handlers, log, make_log_dir, online  # noqa: E402
+from _roles import cpu_seconds_by_kind, machine_busy_seconds  # noqa: E402
+from peers.launcher import RoleProcess  # noqa: E402
 from swarm.simulate.slow_peer import SlowPeerScenario, compare  # noqa: E402
 
 MODEL = ["--num_layers", "2", "--hidden_size", "64", "--num_heads", "2", "--seq_len", "32"]
@@ -56,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--settle_s", type=float, default=10.0, help="seconds after a join or a leave before the next window")
     p.add_argument("--slow_replica_tolerance", type=float, default=None,
                    help="the trainers' --slow_replica_tolerance (0 = throughput-proportional routing alone); default: theirs")
+    p.add_argument("--slow_nice", type=int, default=0,
+                   help="niceness of the slow replica's processes: 19 lets them use only CPU the others leave idle, as "
+                        "if it ran on its own machine (on one machine its DHT, averaging and p2pd take cores from the "
+                        "others); 0 = as the others")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
     args = p.parse_args(argv)
     args.slowdown_list = [float(s) for s in args.slowdowns.split(",") if s.strip()]
@@ -101,11 +106,14 @@ async def snapshot(swarm: LiveSwarm, attempts: int = 3):
     return await swarm.snapshot()
 
 
-async def start_slow_peer(swarm: LiveSwarm, name: str, delay: float, attempts: int = 2):
-    """Start the slow replica on stage 0; a start that fails (its DHT could not reach the bootstrap on a loaded
-    machine) is tried again. Returns the process and its peer id."""
+async def start_slow_peer(swarm: LiveSwarm, name: str, delay: float, nice: int, attempts: int = 2):
+    """Start the slow replica on stage 0 (at niceness ``nice``); a start that fails (its DHT could not reach the
+    bootstrap on a loaded machine) is tried again. Returns the process and its peer id."""
     for attempt in range(attempts):
-        process = swarm.peer(0, f"{name}_try{attempt}", ["--delay_per_sample_s", str(delay)])
+        args = ["--stage", "0", *swarm._common(), *swarm.peer_args, "--delay_per_sample_s", str(delay)]
+        process = RoleProcess("peer", args, swarm.log_dir, f"{swarm.run_id}-{name}_try{attempt}",
+                              prefix=["nice", "-n", str(nice)] if nice else ())
+        swarm.processes.append(process)
         try:
             ready = await swarm.event(process, "peer_ready", 120.0)
             return process, ready.get("peer_id") or ""
@@ -134,7 +142,7 @@ async def one_slowdown(swarm: LiveSwarm, args, slowdown: float, index: int) -> D
     before = await rate(swarm, args.window_s)
     log(f"[{slowdown:g}x] before: {before}")
     delay = args.delay_per_sample_s * slowdown
-    slow, slow_id = await start_slow_peer(swarm, f"slow{index}_{slowdown:g}x", delay)
+    slow, slow_id = await start_slow_peer(swarm, f"slow{index}_{slowdown:g}x", delay, args.slow_nice)
     await swarm.wait_for(lambda r: len(online(r, 0)) == 3, 60.0, "the slow replica online on stage 0")
     log(f"[{slowdown:g}x] a replica {slowdown:g}x slower ({delay:g} s/sample) is online on stage 0; settling {args.settle_s:g}s")
     await asyncio.sleep(args.settle_s)
@@ -198,6 +206,7 @@ async def main(args) -> List[Dict[str, Any]]:
             result["rounds_applied_alone"] = sum(count_lines(p.log_path, "applying it alone") for p in swarm.processes
                                                  if p.role == "peer")
             result["slow_replica_tolerance"] = args.slow_replica_tolerance
+            result["slow_nice"] = args.slow_nice
             result["load_avg_1m"] = round(os.getloadavg()[0], 2)
             results.append(result)
         finally:
