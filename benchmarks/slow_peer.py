@@ -111,16 +111,30 @@ async def start_slow_peer(swarm: LiveSwarm, name: str, delay: float, nice: int, 
     bootstrap on a loaded machine) is tried again. Returns the process and its peer id."""
     for attempt in range(attempts):
         args = ["--stage", "0", *swarm._common(), *swarm.peer_args, "--delay_per_sample_s", str(delay)]
-        process = RoleProcess("peer", args, swarm.log_dir, f"{swarm.run_id}-{name}_try{attempt}",
-                              prefix=["nice", "-n", str(nice)] if nice else ())
+        process = RoleProcess("peer", args, swarm.log_dir, f"{swarm.run_id}-{name}_try{attempt}")
         swarm.processes.append(process)
         try:
             ready = await swarm.event(process, "peer_ready", 120.0)
+            if nice:  # once it serves: at a low priority its start (p2pd dialing the bootstrap) can time out
+                lower_priority(process.pid, nice)
             return process, ready.get("peer_id") or ""
         except TimeoutError as e:
             log(f"the slow replica did not start ({str(e).splitlines()[0]}); {'retrying' if attempt + 1 < attempts else 'giving up'}")
             await asyncio.to_thread(process.stop, 10.0)
     raise RuntimeError(f"the slow replica did not start in {attempts} attempts")
+
+
+def lower_priority(pid: int, nice: int) -> None:
+    """Give the role ``pid`` and everything it forked (its process group) niceness ``nice``, and its session the
+    same against other sessions: with the kernel's autogroup scheduling a nice value counts only within a session."""
+    try:
+        os.setpriority(os.PRIO_PGRP, os.getpgid(pid), nice)
+    except OSError as e:
+        log(f"could not lower the priority of process group {pid}: {e}")
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError as e:  # no autogroup scheduling here (the process group's nice value then does it), or not permitted
+        log(f"could not set the autogroup niceness of {pid}: {e}")
 
 
 def count_lines(path: Path, mark: str) -> int:
