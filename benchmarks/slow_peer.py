@@ -3,10 +3,12 @@
 What runs (every address 127.0.0.1): a bootstrap, a balanced 2+2 swarm (2 stages x 2 peers, each
 with ``--delay_per_sample_s D``, a sleep per sample that costs no CPU) and 2 trainers, with global
 steps (``--target_batch_size``). For each slowdown S (5 and 50 by default), in a fresh such swarm:
-  * ``before``: the trainers' samples/s over ``--window_s`` (from their DHT records);
+  * ``before``: the swarm's samples/s over ``--window_s``: samples the last stage's replicas processed (every
+    sample passes it once; their DHT records, announced every 0.5 s), and the trainers' samples sent as a
+    cross-check (their records can lag by seconds on a loaded machine);
   * a replica with ``--delay_per_sample_s S*D`` joins stage 0 (``--stage 0``), downloads the
     stage's state and goes online; after ``--settle_s`` (trainers time it, it may stand by):
-  * ``after``: the trainers' samples/s over ``--window_s``, and the share of stage 0's samples it
+  * ``after``: the same samples/s over ``--window_s``, and the share of stage 0's samples it
     processed;
 Its log's stand-by line (``standing by on stage 0: ...``), if any, is reported. First, the simulator's
 account of the same scenario (:mod:`swarm.simulate.slow_peer`), with and without the policy, is logged.
@@ -16,9 +18,9 @@ behaviour before the slow-replica policy); the default is the trainers' default.
 
 The last line is a JSON list, one entry per slowdown:
 ``[{"slowdown": 5, "throughput_ratio_after_vs_before": ..., ...}, {"slowdown": 50, ...}]``.
-Defaults take about 4 minutes on a 2-core machine; the figures are noisy when other work runs.
+Defaults take about 5 minutes on a 2-core machine; the figures are noisy when other work runs.
 
-Usage: python benchmarks/slow_peer.py [--slowdowns 5,50] [--window_s 20] [--log_dir DIR]
+Usage: python benchmarks/slow_peer.py [--slowdowns 5,50] [--window_s 30] [--slow_replica_tolerance 0] [--log_dir DIR]
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
     p.add_argument("--max_in_flight", type=int, default=4, help="micro-batches each trainer keeps in flight")
     p.add_argument("--trainers", type=int, default=2)
-    p.add_argument("--window_s", type=float, default=20.0, help="seconds each throughput is measured over")
+    p.add_argument("--window_s", type=float, default=30.0, help="seconds each throughput is measured over")
     p.add_argument("--warmup_s", type=float, default=15.0, help="seconds of training before the first window")
     p.add_argument("--settle_s", type=float, default=10.0, help="seconds after a join or a leave before the next window")
     p.add_argument("--slow_replica_tolerance", type=float, default=None,
@@ -83,7 +85,10 @@ async def rate(swarm: LiveSwarm, window_s: float, watch: Optional[str] = None, w
     last = await snapshot(swarm)
     elapsed = last.t - first.t
     sent = sum(r.samples_sent for r in last.trainers.values()) - sum(r.samples_sent for r in first.trainers.values())
-    result = {"samples_per_s": round(sent / elapsed, 2), "window_s": round(elapsed, 1),
+    start = {r.peer_id: r.samples_processed for r in online(first.peers, 1)}
+    stage1 = sum(r.samples_processed - start.get(r.peer_id, 0) for r in online(last.peers, 1))
+    result = {"samples_per_s": round(stage1 / elapsed, 2), "trainer_samples_per_s": round(sent / elapsed, 2),
+              "window_s": round(elapsed, 1),
               "replicas_end": list(counts(last.peers)), "machine_busy_cores": round(busy / window_s, 2)}
     if watch_pid:
         result["slow_replica_cpu_cores"] = round(cpu / window_s, 3)
@@ -166,6 +171,7 @@ async def one_slowdown(swarm: LiveSwarm, args, slowdown: float, index: int) -> D
     ratio = after["samples_per_s"] / before["samples_per_s"] if before["samples_per_s"] else None
     return {"slowdown": slowdown, "throughput_ratio_after_vs_before": round(ratio, 3) if ratio is not None else None,
             "samples_per_s_before": before["samples_per_s"], "samples_per_s_after": after["samples_per_s"],
+            "trainer_samples_per_s": [before["trainer_samples_per_s"], after["trainer_samples_per_s"]],
             "slow_replica_share_of_stage0": after.get("slow_replica_share_of_stage0", 0.0),
             "slow_replica_cpu_cores": after.get("slow_replica_cpu_cores"),
             "machine_busy_cores": [before["machine_busy_cores"], after["machine_busy_cores"]],
