@@ -7,6 +7,7 @@ help text and carry units. Defaults work on loopback.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
@@ -183,6 +184,7 @@ class TrainerConfig:
     attack: str = "none"  # emulate a poisoning trainer (tests and attack benchmarks): one of swarm.client.attacks.ATTACKS
     verify_fraction: float = 0.02  # probability (0-1) per micro-batch and stage of re-checking that stage's reply on a second replica (with defences on)
     serve_dht: bool = False  # also answer other nodes' DHT requests (only if other machines can reach this trainer); by default a trainer is a DHT client
+    slow_replica_tolerance: float = 2.0  # route only to replicas whose expected completion time is within this multiple of the stage's best (>= 1); 0 = off, route by throughput alone
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
@@ -201,6 +203,8 @@ class TrainerConfig:
             raise ValueError(f"max_samples must be positive or None, got {self.max_samples}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction!r}")
+        if not (self.slow_replica_tolerance == 0 or 1.0 <= self.slow_replica_tolerance < math.inf):
+            raise ValueError(f"slow_replica_tolerance must be 0 (off) or a finite number >= 1, got {self.slow_replica_tolerance!r}")
         if self.duration_s is not None:
             _positive("duration_s", self.duration_s)
 

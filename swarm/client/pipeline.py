@@ -189,6 +189,7 @@ class PipelineClient:
         self.busy_pause_s = busy_pause_s
         self.verifier: Optional[ReplyVerifier] = None  # spot-checks replies on other replicas (set by the trainer)
         self.attack = TrainerAttack()  # what an emulated poisoning trainer does to its gradients (set by the trainer)
+        self.in_flight: Dict[str, int] = {}  # peer id -> this trainer's calls to it under way (routing weighs them)
 
     async def call_stage(self, stage: int, method: str, message: Dict[str, Any], timeout: float,
                          prefer: Optional[str] = None) -> Tuple[Dict[str, Any], str]:
@@ -201,7 +202,8 @@ class PipelineClient:
             candidates = [p for p in self.snapshot() if p.stage == stage]
             exclude = tried if len(set(tried)) < len(candidates) else ()
             try:
-                peer = self.router.choose(candidates, time.monotonic(), exclude=exclude, prefer=prefer)
+                peer = self.router.choose(candidates, time.monotonic(), exclude=exclude, prefer=prefer,
+                                          in_flight=self.in_flight)
             except NoPeerAvailable as e:
                 no_peer = str(e)
                 self.on_stale_snapshot()
@@ -220,19 +222,25 @@ class PipelineClient:
                        timeout: float) -> Dict[str, Any]:
         """One call to one replica; returns its checked reply, raises whatever went wrong."""
         started = time.monotonic()
-        reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
-                                timeout=timeout, max_reply_bytes=self._reply_limit(message),
-                                compression=self.compression, block_size=self.block_size,
-                                expected_reply_bytes=self._expected_reply_bytes(stage, method, message))
+        self.in_flight[peer_id] = self.in_flight.get(peer_id, 0) + 1
+        try:
+            reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
+                                    timeout=timeout, max_reply_bytes=self._reply_limit(message),
+                                    compression=self.compression, block_size=self.block_size,
+                                    expected_reply_bytes=self._expected_reply_bytes(stage, method, message))
+        finally:
+            remaining = self.in_flight.pop(peer_id) - 1
+            if remaining:
+                self.in_flight[peer_id] = remaining
         self._check(peer_id, stage, method, message, reply)
-        self.router.report_success(peer_id, _samples(message), time.monotonic() - started)
+        self.router.report_success(peer_id, _samples(message), time.monotonic() - started, kind=method)
         return reply
 
     def choose_replica(self, stage: int, exclude: Collection[str]) -> Optional[str]:
         """A replica of ``stage`` other than ``exclude``, drawn as calls are; None if there is none."""
         candidates = [p for p in self.snapshot() if p.stage == stage]
         try:
-            return self.router.choose(candidates, time.monotonic(), exclude=exclude).peer_id
+            return self.router.choose(candidates, time.monotonic(), exclude=exclude, in_flight=self.in_flight).peer_id
         except NoPeerAvailable:
             return None
 

@@ -137,7 +137,7 @@ class Trainer:
         p2p = await self.dht.replicate_p2p()
         await check_run_agreement(p2p, await self._fetch_records(strict=False), self.run)
         self.client = PipelineClient(
-            p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed), self.ledger,
+            p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed, slow_tolerance=self.config.slow_replica_tolerance or math.inf), self.ledger,
             model=self.run.model, forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
             max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set,
             compression=self.run.compression, block_size=self.run.compression_block_size)

@@ -13,6 +13,10 @@ busy replica, which is exactly what a trainer waits for; but where transfers dom
 models, loopback) wall times hardly tell replicas apart, while an honest announcement of the
 replica's own compute does: hence the bounded say.
 
+A trainer with ``slow_tolerance`` set also leaves out replicas whose expected completion time is far
+worse than their stage-mates' (:mod:`swarm.policy.slow_replicas`), and keeps at most ``max_probes``
+calls in flight to a replica it has not timed yet.
+
 Everything here is pure given ``now`` and the seed: the live trainer passes
 ``time.monotonic()``, the simulator passes simulated time, tests pass whatever they like.
 """
@@ -24,10 +28,11 @@ import itertools
 import math
 import random
 from collections import deque
-from typing import Collection, Deque, Dict, Optional, Sequence
+from typing import Collection, Deque, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from swarm.policy.slow_replicas import MAX_PROBES, probe_allowed, worth_waiting_for
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "preferred_replica", "Router"]
@@ -129,7 +134,8 @@ class Router:
     def __init__(self, seed: int = 0, ban_base_s: float = 1.0, ban_max_s: float = 60.0, *,
                  announced_cap: float = ANNOUNCED_CAP, measured_cap: float = MEASURED_CAP,
                  announced_trust: float = ANNOUNCED_TRUST, measure_window: int = MEASURE_WINDOW,
-                 measure_quantile: float = MEASURE_QUANTILE):
+                 measure_quantile: float = MEASURE_QUANTILE, slow_tolerance: float = math.inf,
+                 max_probes: int = MAX_PROBES):
         if not (math.isfinite(ban_base_s) and ban_base_s > 0):
             raise ValueError(f"ban_base_s must be a finite number > 0, got {ban_base_s!r}")
         if not (math.isfinite(ban_max_s) and ban_max_s >= ban_base_s):
@@ -142,6 +148,11 @@ class Router:
             raise ValueError(f"measure_window must be an int >= 1, got {measure_window!r}")
         if not 0.0 <= measure_quantile <= 1.0:
             raise ValueError(f"measure_quantile must be in [0, 1], got {measure_quantile!r}")
+        if not slow_tolerance >= 1.0:  # also rejects NaN; inf = plain throughput-proportional routing
+            raise ValueError(f"slow_tolerance must be >= 1, got {slow_tolerance!r}")
+        if not (isinstance(max_probes, int) and max_probes >= 1):
+            raise ValueError(f"max_probes must be an int >= 1, got {max_probes!r}")
+        self.slow_tolerance, self.max_probes = float(slow_tolerance), max_probes
         self.ban_base_s = float(ban_base_s)
         self.ban_max_s = float(ban_max_s)
         self.announced_cap, self.measured_cap, self.announced_trust = announced_cap, measured_cap, announced_trust
@@ -150,19 +161,22 @@ class Router:
         self._banned_until: Dict[str, float] = {}
         self._distrusted_until: Dict[str, float] = {}  # bans for proven misbehaviour: no success lifts them
         self._num_failures: Dict[str, int] = {}
-        self._costs_s: Dict[str, Deque[float]] = {}  # peer id -> wall seconds per sample of its latest successful calls
+        # (peer id, kind of call) -> wall seconds per sample of its latest successful calls of that kind
+        self._costs_s: Dict[Tuple[str, str], Deque[float]] = {}
+        self._by_kind: Dict[str, Dict[str, float]] = {}  # peer id -> kind of call -> samples/s measured
         self._measured: Dict[str, float] = {}  # peer id -> samples/s: the measurement routing uses
 
     def choose(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = (),
-               prefer: Optional[str] = None) -> PeerInfo:
+               prefer: Optional[str] = None, in_flight: Optional[Mapping[str, int]] = None) -> PeerInfo:
         """Only state=='online', not banned, not excluded; raises NoPeerAvailable.
 
         ``prefer`` (see :func:`preferred_replica`) is taken whenever it is eligible; otherwise, or
-        without it, the replica is drawn by throughput."""
-        options = self.distribution(candidates, now, exclude)
+        without it, the replica is drawn by throughput. ``in_flight``: this trainer's calls under way
+        per replica (see :meth:`distribution`)."""
+        options = self.distribution(candidates, now, exclude, in_flight)
         if not options:
             raise self._explain_empty(candidates, now, exclude)
-        chosen = preferred_replica([peer for peer, _ in options], prefer)
+        chosen = preferred_replica([peer for peer, p in options if p > 0], prefer)  # p = 0: not worth waiting for
         if chosen is not None:
             return chosen
         if len(options) == 1:
@@ -172,12 +186,15 @@ class Router:
         index = bisect.bisect_right(cumulative, self._rng.random() * cumulative[-1])
         return eligible[min(index, len(eligible) - 1)]
 
-    def distribution(self, candidates: Sequence[PeerInfo], now: float,
-                     exclude: Collection[str] = ()) -> list[tuple[PeerInfo, float]]:
+    def distribution(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = (),
+                     in_flight: Optional[Mapping[str, int]] = None) -> list[tuple[PeerInfo, float]]:
         """The probabilities :meth:`choose` draws with: ``(peer, p)`` for each eligible peer.
 
-        The simulator's fluid model routes expected flows with these instead of drawing
-        every micro-batch; returns ``[]`` where :meth:`choose` would raise.
+        With ``slow_tolerance`` finite, only replicas worth waiting for get a share: the calls
+        ahead of a new one at a replica are this trainer's ``in_flight`` calls to it or the queue it
+        announces, whichever is larger, and a replica this router has not timed takes at most
+        ``max_probes`` calls at once. The simulator's fluid model routes expected flows with these
+        instead of drawing every micro-batch; returns ``[]`` where :meth:`choose` would raise.
         """
         banned_until, distrusted_until = self._banned_until, self._distrusted_until  # is_banned, inlined: hot path
         eligible = [peer for peer in candidates if peer.state == "online" and peer.peer_id not in exclude
@@ -188,7 +205,24 @@ class Router:
         throughputs = effective_throughputs(
             [peer.throughput for peer in eligible], [self.measured_throughput(peer.peer_id) for peer in eligible],
             announced_cap=self.announced_cap, measured_cap=self.measured_cap, announced_trust=self.announced_trust)
-        return list(zip(eligible, routing_weights(throughputs).tolist()))
+        weights = routing_weights(throughputs)
+        if math.isfinite(self.slow_tolerance) and len(eligible) > 1:
+            weights = self._without_slow(eligible, throughputs, weights, in_flight or {})
+        return list(zip(eligible, weights.tolist()))
+
+    def _without_slow(self, eligible: Sequence[PeerInfo], throughputs: np.ndarray, weights: np.ndarray,
+                      in_flight: Mapping[str, int]) -> np.ndarray:
+        """``weights`` with the replicas not worth waiting for, and unmeasured ones probed enough, at 0
+        (renormalised); the replica of the earliest expected completion always keeps its share."""
+        calls = np.array([in_flight.get(peer.peer_id, 0) for peer in eligible], dtype=np.float64)
+        queues = np.maximum(calls, [peer.queue_length for peer in eligible])
+        keep = worth_waiting_for(weights, queues, self.slow_tolerance)
+        keep &= np.array([probe_allowed(self.measured_throughput(peer.peer_id), int(count), self.max_probes)
+                          for peer, count in zip(eligible, calls)])
+        if not keep.any():
+            keep[int(np.argmin((queues + 1.0) / weights))] = True
+        kept = np.where(keep, weights, 0.0)
+        return kept / kept.sum()
 
     def ban(self, peer_id: str, now: float, duration_s: Optional[float] = None) -> float:
         """Ban ``peer_id`` after a failure; returns the ban duration in seconds.
@@ -214,14 +248,18 @@ class Router:
             raise ValueError(f"duration_s must be a finite number >= 0, got {duration_s!r}")
         self._distrusted_until[peer_id] = max(self._distrusted_until.get(peer_id, -math.inf), now + duration_s)
 
-    def report_success(self, peer_id: str, samples: int = 0, elapsed_s: float = 0.0) -> None:
+    def report_success(self, peer_id: str, samples: int = 0, elapsed_s: float = 0.0, kind: str = "") -> None:
         """The peer served a request: forget its failures, so its next ban starts short, and, given
         the call's ``samples`` and wall time ``elapsed_s``, update this router's measurement of it.
 
         The measurement is a low quantile of the latest calls' wall time per sample: a call to the
         clock stage can wait for the stage's global step to close (seconds, alike for every replica,
         and most often for the replica that gets the most calls), which says nothing about the
-        replica, whereas a replica that keeps requests queued is slow at that quantile too."""
+        replica, whereas a replica that keeps requests queued is slow at that quantile too.
+
+        Each ``kind`` of call (a method) is measured apart and the slowest kind is the replica's
+        measurement: a micro-batch's backward follows its forward to the same replica, so a replica
+        with quick forwards and slow backwards must not look quick."""
         if not (isinstance(samples, int) and samples >= 0):
             raise ValueError(f"samples must be an int >= 0, got {samples!r}")
         if not (math.isfinite(elapsed_s) and elapsed_s >= 0):
@@ -229,9 +267,11 @@ class Router:
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
         if samples > 0 and elapsed_s > 0:
-            costs = self._costs_s.setdefault(peer_id, deque(maxlen=self.measure_window))
+            costs = self._costs_s.setdefault((peer_id, kind), deque(maxlen=self.measure_window))
             costs.append(elapsed_s / samples)
-            self._measured[peer_id] = 1.0 / float(np.quantile(costs, self.measure_quantile))
+            kinds = self._by_kind.setdefault(peer_id, {})
+            kinds[kind] = 1.0 / float(np.quantile(costs, self.measure_quantile))
+            self._measured[peer_id] = min(kinds.values())
 
     def measured_throughput(self, peer_id: str) -> float:
         """Samples per second of wall time of this router's successful calls to ``peer_id``; 0.0 = none yet."""
@@ -247,7 +287,8 @@ class Router:
         self._num_failures.pop(peer_id, None)
         self._banned_until.pop(peer_id, None)
         self._distrusted_until.pop(peer_id, None)
-        self._costs_s.pop(peer_id, None)
+        for kind in self._by_kind.pop(peer_id, {}):
+            self._costs_s.pop((peer_id, kind), None)
         self._measured.pop(peer_id, None)
 
     @staticmethod

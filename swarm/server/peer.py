@@ -41,6 +41,7 @@ from swarm.server.joining import Joining
 from swarm.server.reaching import reach_or_relay
 from swarm.server.rebalancing import rebalance_loop
 from swarm.server.runner import StageRunner
+from swarm.server.standby import StandbyWatch
 from swarm.server.stepping import BAN_S, StepCoordinator
 
 __all__ = ["StagePeer"]
@@ -71,6 +72,7 @@ class StagePeer:
         self.queued = 0  # requests waiting for the compute thread
         self.in_flight = 0  # forward/backward requests being served
         self.announcer, self.joining, self.checkpoints = Announcer(self), Joining(self), Checkpointer(self)
+        self.standby = StandbyWatch(self)  # whether this replica is too slow to be worth routing to
         self.handlers = StageHandlers(self)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
         # set when gradients arrive: one wakes the announcer, the other the coordinator
@@ -108,7 +110,7 @@ class StagePeer:
             compression=self.run.compression, block_size=self.run.compression_block_size,
             compress_replies=COMPRESSED_METHODS)
         await self.servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
-        self._tasks = [asyncio.create_task(self.announcer.run())]
+        self._tasks = [asyncio.create_task(self.announcer.run()), asyncio.create_task(self.standby.run())]
         if self.config.checkpoint_dir:
             self._tasks.append(asyncio.create_task(self.checkpoints.run()))
         if self.config.rebalance:

@@ -94,8 +94,14 @@ class SimConfig:
     # keeps a large swarm nearly balanced. The rebalanced run always joins with "auto".
     static_join_policy: str = "random"
     steps: StepSimConfig = field(default_factory=StepSimConfig)
+    # trainers route only to replicas whose expected completion is within this multiple of the stage's best
+    # (swarm.policy.slow_replicas; the fluid model has no queues, so this leaves out slower replicas
+    # outright); inf = throughput-proportional routing alone
+    slow_replica_tolerance: float = math.inf
 
     def __post_init__(self) -> None:
+        if not self.slow_replica_tolerance >= 1.0:
+            raise ValueError(f"slow_replica_tolerance must be >= 1, got {self.slow_replica_tolerance!r}")
         for name in ("num_peers", "num_stages", "num_trainers", "max_inflight_per_trainer", "microbatch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

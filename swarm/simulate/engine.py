@@ -114,7 +114,8 @@ class _Run:
             raise ValueError(f"join_policy must be one of {JOIN_POLICIES}, got {join_policy!r}")
         self.config, self.rebalancing, self.join_policy = config, rebalancing, join_policy
         self.optimum = list(optimum)
-        self.router = Router(seed=config.seed, ban_base_s=1.0, ban_max_s=60.0)
+        self.router = Router(seed=config.seed, ban_base_s=1.0, ban_max_s=60.0,
+                             slow_tolerance=config.slow_replica_tolerance)
         self.rng = random.Random(config.seed * 7919 + 17)
         self.join_rng = random.Random(config.seed * 7919 + 23)  # stage draws of the "random" join policy
         self.peers: Dict[str, _Peer] = {}

@@ -1,0 +1,60 @@
+"""Whether this replica stands by: the decision of :func:`swarm.policy.slow_replicas.standby_verdict`,
+taken on the run's DHT records and said in the peer's log, one line each time it changes.
+
+A replica standing by stays online: it averages with its stage-mates and serves its state, and
+trainers, which route by the same rule (:func:`swarm.policy.slow_replicas.worth_waiting_for`), send it
+no work while its stage-mates are faster by more than the tolerance. Runs as a task of the peer's
+event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from hivemind.utils import get_logger
+
+from swarm.policy.slow_replicas import SLOW_TOLERANCE, StandbyVerdict, standby_verdict
+from swarm.records import to_peer_infos
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
+__all__ = ["StandbyWatch", "CHECK_PERIOD_S"]
+
+logger = get_logger(__name__)
+CHECK_PERIOD_S = 5.0  # seconds between two decisions (records carry throughputs measured over seconds)
+READ_TIMEOUT_S = 10.0  # seconds one read of the run's records may take
+
+
+class StandbyWatch:
+    """Decides every ``CHECK_PERIOD_S`` whether ``peer`` stands by; ``standing_by`` and ``verdict`` hold the last decision."""
+
+    def __init__(self, peer: "StagePeer", tolerance: float = SLOW_TOLERANCE):
+        self.peer, self.tolerance = peer, tolerance
+        self.standing_by = False
+        self.verdict: StandbyVerdict = StandbyVerdict(False, "not decided yet")
+
+    async def run(self) -> None:
+        peer = self.peer
+        while not peer.stopping.is_set():
+            try:
+                await asyncio.sleep(CHECK_PERIOD_S)
+                if peer.state == "online":
+                    records = await asyncio.wait_for(peer.fetch_records(), READ_TIMEOUT_S)
+                    self.decide(to_peer_infos(records, peer.run.num_stages))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # a failed DHT read: keep the last decision, try again next period
+                logger.info(f"standby check failed ({type(e).__name__}: {e}); keeping the last decision")
+
+    def decide(self, snapshot) -> StandbyVerdict:
+        """Take the decision on ``snapshot``; log one line when it changes."""
+        verdict = standby_verdict(self.peer.peer_id, snapshot, self.tolerance, self.standing_by)
+        if verdict.standby != self.standing_by:
+            if verdict.standby:
+                logger.warning(verdict.reason)
+            else:
+                logger.info(f"resuming work: {verdict.reason}")
+        self.standing_by, self.verdict = verdict.standby, verdict
+        return verdict

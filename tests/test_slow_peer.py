@@ -1,0 +1,177 @@
+"""Slow replicas: trainers do not wait on them, unmeasured ones are probed, a replica too slow stands by;
+and in the simulator a 5x and a 50x slower peer joining a balanced swarm cost nothing with the policy,
+while throughput-proportional routing alone loses a large share."""
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from swarm.policy.routing import Router
+from swarm.policy.slow_replicas import (
+    SLOW_TOLERANCE, completion_times, probe_allowed, standby_verdict, worth_waiting_for,
+)
+from swarm.policy.snapshot import PeerInfo
+from swarm.simulate.slow_peer import SlowPeerScenario, run_slow_peer_scenario
+
+
+def _stage(throughputs, queues=None, stage=0):
+    queues = queues or [0] * len(throughputs)
+    return [PeerInfo(f"p{i}", stage, "online", float(t), q) for i, (t, q) in enumerate(zip(throughputs, queues))]
+
+
+# ---- completion times and the routing mask ----
+
+def test_completion_time_counts_the_calls_ahead():
+    np.testing.assert_allclose(completion_times([10.0, 10.0, 2.0], [0, 3, 0]), [0.1, 0.4, 0.5])
+    # an unmeasured replica counts as the mean of the measured ones; all unmeasured: alike
+    np.testing.assert_allclose(completion_times([10.0, 30.0, 0.0], [0, 0, 0]), [0.1, 1 / 30, 0.05])
+    np.testing.assert_allclose(completion_times([0.0, 0.0], [1, 0]), [2.0, 1.0])
+    with pytest.raises(ValueError):
+        completion_times([1.0, math.nan], [0, 0])
+    with pytest.raises(ValueError):
+        completion_times([1.0], [-1])
+    with pytest.raises(ValueError):
+        completion_times([1.0, 2.0], [0])
+
+
+def test_a_50x_slower_replica_is_not_waited_for_until_the_others_back_up():
+    assert worth_waiting_for([50.0, 50.0, 1.0], [0, 0, 0]).tolist() == [True, True, False]
+    assert worth_waiting_for([50.0, 50.0, 10.0], [0, 0, 0]).tolist() == [True, True, False]  # 5x
+    # a 5x slower replica finishes sooner than stage-mates with 4 calls queued each, within 2x of 2 queued
+    assert worth_waiting_for([50.0, 50.0, 10.0], [4, 4, 0]).tolist() == [True, True, True]
+    assert worth_waiting_for([50.0, 50.0, 10.0], [2, 2, 0]).tolist() == [True, True, True]
+    assert worth_waiting_for([50.0, 50.0, 10.0], [1, 1, 0]).tolist() == [True, True, False]
+    # equal replicas: the one with two calls more ahead waits
+    assert worth_waiting_for([5.0, 5.0], [0, 2]).tolist() == [True, False]
+    assert worth_waiting_for([5.0, 5.0, 0.1], [0, 2, 0], tolerance=math.inf).all()
+    assert worth_waiting_for([], []).size == 0
+    for bad in (0.5, math.nan):
+        with pytest.raises(ValueError):
+            worth_waiting_for([1.0], [0], tolerance=bad)
+
+
+def test_probes_of_an_unmeasured_replica_are_bounded():
+    assert probe_allowed(0.0, 0) and not probe_allowed(0.0, 1)
+    assert probe_allowed(0.0, 1, max_probes=2) and not probe_allowed(0.0, 2, max_probes=2)
+    assert probe_allowed(3.0, 10)
+
+
+# ---- the router ----
+
+def test_router_leaves_out_the_slow_replica_and_takes_it_back_when_the_others_queue():
+    router = Router(seed=0, slow_tolerance=SLOW_TOLERANCE)
+    peers = _stage([50.0, 50.0, 1.0])
+    shares = {p.peer_id: share for p, share in router.distribution(peers, 0.0)}
+    assert shares["p2"] == 0.0 and shares["p0"] == pytest.approx(0.5)
+    # other trainers' work queued at the fast replicas (announced): now the slow one finishes sooner
+    busy = _stage([50.0, 50.0, 1.0], queues=[60, 60, 0])
+    shares = {p.peer_id: share for p, share in router.distribution(busy, 0.0)}
+    assert shares["p2"] > 0
+    # this trainer's own calls count too
+    shares = {p.peer_id: share for p, share in router.distribution(peers, 0.0, in_flight={"p0": 80, "p1": 80})}
+    assert shares["p2"] > 0
+    # without the policy the slow replica keeps its throughput share
+    naive = Router(seed=0)
+    shares = {p.peer_id: share for p, share in naive.distribution(peers, 0.0)}
+    assert shares["p2"] == pytest.approx(1 / 101)
+
+
+def test_router_probes_an_unmeasured_replica_once_at_a_time():
+    router = Router(seed=1, slow_tolerance=SLOW_TOLERANCE)
+    for peer_id in ("p0", "p1"):
+        router.report_success(peer_id, samples=8, elapsed_s=0.1)
+    peers = _stage([0.0, 0.0, 0.0])  # nothing announced yet: routed by this trainer's own timing
+    draws = Counter(router.choose(peers, 0.0, in_flight={"p2": 1}).peer_id for _ in range(500))
+    assert draws["p2"] == 0 and draws["p0"] > 150 and draws["p1"] > 150
+    draws = Counter(router.choose(peers, 0.0, in_flight={}).peer_id for _ in range(3000))
+    assert draws["p2"] > 500  # free to probe: it gets the mean share, as any new replica
+    # once timed as 50x slower, it is left out
+    router.report_success("p2", samples=8, elapsed_s=5.0)
+    assert router.choose(peers, 0.0).peer_id != "p2"
+    assert all(router.choose(peers, 0.0).peer_id != "p2" for _ in range(300))
+
+
+def test_router_never_runs_out_of_replicas_by_the_slow_rule():
+    router = Router(seed=2, slow_tolerance=SLOW_TOLERANCE)
+    peers = _stage([0.0, 0.0])
+    # both unmeasured and both already probed: the one with the earliest completion still serves
+    assert router.choose(peers, 0.0, in_flight={"p0": 1, "p1": 2}).peer_id == "p0"
+    # a preferred replica (the forward's, for its backward) is taken only if it is worth waiting for
+    measured = _stage([50.0, 50.0, 1.0])
+    assert router.choose(measured, 0.0, prefer="p2").peer_id != "p2"
+    assert router.choose(measured, 0.0, prefer="p1").peer_id == "p1"
+    with pytest.raises(ValueError):
+        Router(slow_tolerance=0.5)
+    with pytest.raises(ValueError):
+        Router(max_probes=0)
+
+
+# ---- standing by ----
+
+def test_a_replica_much_slower_than_its_stage_mates_stands_by():
+    snapshot = _stage([50.0, 50.0, 1.0]) + _stage([40.0, 40.0], stage=1)
+    verdict = standby_verdict("p2", snapshot)
+    assert verdict.standby and verdict.slowdown == pytest.approx(50.0)
+    assert "standing by on stage 0" in verdict.reason and "50.0x" in verdict.reason
+    assert not standby_verdict("p0", snapshot).standby
+    # 5x slower, stage-mates idle: stands by; stage-mates with 4 calls queued: it helps, it serves
+    assert standby_verdict("p2", _stage([50.0, 50.0, 10.0])).standby
+    assert not standby_verdict("p2", _stage([50.0, 50.0, 10.0], queues=[4, 4, 0])).standby
+
+
+def test_standby_has_hysteresis_and_needs_measurements():
+    # 1.67x later than the best stage-mate: within the tolerance (2x) to keep serving, not within
+    # the 1.6x a replica standing by must come back to
+    snapshot = _stage([50.0, 50.0, 30.0])
+    assert not standby_verdict("p2", snapshot, standing_by=False).standby
+    assert standby_verdict("p2", snapshot, standing_by=True).standby
+    assert not standby_verdict("p2", _stage([50.0, 50.0, 40.0]), standing_by=True).standby  # 1.25x
+    assert standby_verdict("p2", _stage([50.0, 50.0, 20.0]), standing_by=False).standby  # 2.5x
+    # alone on its stage, unmeasured, or with unmeasured mates: never
+    assert not standby_verdict("p0", _stage([1.0])).standby
+    assert not standby_verdict("p2", _stage([50.0, 50.0, 0.0])).standby
+    assert not standby_verdict("p1", _stage([0.0, 1.0])).standby
+    assert not standby_verdict("ghost", _stage([1.0, 2.0])).standby
+    leaving = [PeerInfo("p0", 0, "leaving", 50.0), PeerInfo("p1", 0, "online", 1.0)]
+    assert not standby_verdict("p1", leaving).standby
+
+
+# ---- the simulator ----
+
+def test_simulated_slow_peers_cost_nothing_with_the_policy_and_a_lot_without():
+    with_policy = run_slow_peer_scenario(SlowPeerScenario())
+    naive = run_slow_peer_scenario(SlowPeerScenario(slow_tolerance=math.inf))
+    for result in with_policy:
+        assert result["throughput_ratio_after_vs_before"] >= 0.98, with_policy
+    for result in naive:
+        if result["slowdown"] >= 5:
+            assert result["throughput_ratio_after_vs_before"] < 0.95, naive
+    assert naive[-1]["throughput_ratio_after_vs_before"] < 0.85, naive  # the 50x slower peer: a large loss
+
+
+def test_the_peer_watch_changes_its_mind_only_past_the_margins():
+    from types import SimpleNamespace
+
+    from swarm.server.standby import StandbyWatch
+
+    watch = StandbyWatch(SimpleNamespace(peer_id="p2"))
+    assert watch.decide(_stage([50.0, 50.0, 1.0])).standby and watch.standing_by
+    assert watch.decide(_stage([50.0, 50.0, 30.0])).standby  # 1.67x: not back within 1.6x yet
+    assert not watch.decide(_stage([50.0, 50.0, 40.0])).standby and not watch.standing_by
+    assert not watch.decide(_stage([50.0, 50.0, 30.0])).standby  # serving: 1.67x is within 2x
+
+
+def test_a_replica_is_measured_by_its_slowest_kind_of_call():
+    router = Router(seed=3, slow_tolerance=SLOW_TOLERANCE)
+    for _ in range(4):
+        router.report_success("p0", samples=8, elapsed_s=0.08, kind="forward")
+        router.report_success("p0", samples=8, elapsed_s=0.16, kind="backward")
+        router.report_success("p1", samples=8, elapsed_s=0.08, kind="forward")  # quick forwards,
+        router.report_success("p1", samples=8, elapsed_s=4.0, kind="backward")  # 25x slower backwards
+    assert router.measured_throughput("p0") == pytest.approx(50.0)
+    assert router.measured_throughput("p1") == pytest.approx(2.0)
+    assert all(router.choose(_stage([0.0, 0.0]), 0.0).peer_id == "p0" for _ in range(200))
+    router.forget("p1")
+    assert router.measured_throughput("p1") == 0.0
