@@ -4,8 +4,10 @@ Live: N real hivemind ``DHTNode``s on loopback in this one process (each node st
 ``p2pd``: a daemon holds a single libp2p identity), each with its own RSA key and the run's
 validators (``RSASignatureValidator`` + the run schema), each acting as a stage peer does: it keeps a
 :class:`swarm.directory.Directory`, stores a full-size ``PeerRecord`` through it every announce
-period and polls it (its own stage every poll, the other stages every announce period, probes every
-probe period) every poll period. On 2 cores N nodes cannot keep the live periods, so all periods are
+period and ``--pollers`` of them (spread over the stages) also poll it (its own stage every poll, the other
+stages every announce period, probes every probe period) every poll period: a hivemind lookup costs
+its reader 0.1-0.5 s of CPU, so one process cannot poll for hundreds of nodes, and the traffic per poll
+is what one poller measures. On 2 cores N nodes cannot keep the live periods, so all periods are
 stretched by ``max(1, N / --nodes_per_core_s)`` alike (the mix of reads, stores and probes stays that
 of a live peer), and bytes are measured *per operation*: every DHT RPC's request and reply,
 serialized (``P2P.call_protobuf_handler``, so libp2p's framing and encryption are left out), is
@@ -108,8 +110,9 @@ class _NodeAsDHT:
 
 
 async def _participate(directory: Directory, identity: Identity, stage: int, stretch: float, args, stop: float,
-                       counts: Dict[str, int], latencies: List[float]) -> None:
-    """A stage peer's control plane, two loops as in a live peer: store every announce period, poll every poll period."""
+                       counts: Dict[str, int], latencies: List[float], polls: bool) -> None:
+    """A stage peer's control plane, two loops as in a live peer: store every announce period, and (``polls``)
+    poll every poll period."""
     announce_s, poll_s = args.announce_period_s * stretch, args.read_period_s * stretch
 
     async def announce() -> None:
@@ -124,12 +127,13 @@ async def _participate(directory: Directory, identity: Identity, stage: int, str
         _OPERATION.set("poll")
         while time.monotonic() < stop:
             started = time.perf_counter()
-            await directory.read(directory.stages_due(stage, announce_s), timeout=10.0)
+            succeeded = await directory.read(directory.stages_due(stage, announce_s), timeout=10.0)
             latencies.append(1000 * (time.perf_counter() - started))
             counts["poll"] += 1
+            counts["failed"] += not succeeded
             await asyncio.sleep(poll_s)
 
-    await asyncio.gather(asyncio.create_task(announce()), asyncio.create_task(poll()))
+    await asyncio.gather(asyncio.create_task(announce()), *([asyncio.create_task(poll())] if polls else []))
 
 
 async def live(num_peers: int, num_stages: int, args) -> dict:
@@ -148,30 +152,32 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
         directories = [Directory(_NodeAsDHT(node, identity), RUN_ID, num_stages, home=identity.peer_id,
                                  probe_period_s=PROBE_PERIOD_S * stretch)
                        for node, (identity, _, _) in zip(nodes, participants)]
-        warm_counts, measured_counts = {"store": 0, "poll": 0}, {"store": 0, "poll": 0}
+        warm_counts, measured_counts = {"store": 0, "poll": 0, "failed": 0}, {"store": 0, "poll": 0, "failed": 0}
         warm_stop = time.monotonic() + args.warmup_s * stretch
-        await asyncio.gather(*(_participate(d, i, s, stretch, args, warm_stop, warm_counts, [])
-                               for d, (i, _, s) in zip(directories, participants)))
+        pollers = set(range(0, num_peers, max(1, num_peers // args.pollers)))  # spread over the stages
+        await asyncio.gather(*(_participate(d, i, s, stretch, args, warm_stop, warm_counts, [], k in pollers)
+                               for k, (d, (i, _, s)) in enumerate(zip(directories, participants))))
         _BYTES.clear()
         _LARGEST["message"] = 0
         latencies: List[float] = []
         started = time.monotonic()
         stop = started + args.measure_s * stretch
-        await asyncio.gather(*(_participate(d, i, s, stretch, args, stop, measured_counts, latencies)
-                               for d, (i, _, s) in zip(directories, participants)))
+        await asyncio.gather(*(_participate(d, i, s, stretch, args, stop, measured_counts, latencies, k in pollers)
+                               for k, (d, (i, _, s)) in enumerate(zip(directories, participants))))
         elapsed = time.monotonic() - started
         per_store = _BYTES.get("store", 0) / max(measured_counts["store"], 1)
         per_poll = _BYTES.get("poll", 0) / max(measured_counts["poll"], 1)
         nominal = 2 * (per_store / args.announce_period_s + per_poll / args.read_period_s)
         levels = [d.levels() for d in directories]
         record_bytes = max(stored_record_bytes(i, v, s) for i, v, s in participants)
-        seen = statistics.mean(len(d.records()) for d in directories)
+        seen = statistics.mean(len(directories[k].records()) for k in pollers)
         return {"peers": num_peers, "dht_bytes_per_s_per_peer": round(nominal, 1), "max_record_bytes": record_bytes,
                 "lookup_ms_p50": round(statistics.median(latencies), 2), "max_message_bytes": _LARGEST["message"],
                 "bytes_per_store": round(per_store), "bytes_per_poll": round(per_poll),
                 "levels": sorted({level for row in levels for level in row}),
-                "records_seen_per_peer": round(seen, 1), "stretch": stretch,
-                "polls_per_s_per_peer": round(measured_counts["poll"] / elapsed / num_peers, 3),
+                "records_seen_per_peer": round(seen, 1), "stretch": stretch, "failed_polls": measured_counts["failed"],
+                "polls": measured_counts["poll"],
+                "pollers": len(pollers), "polls_per_s_per_poller": round(measured_counts["poll"] / elapsed / len(pollers), 3),
                 "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "source": "live"}
     finally:
         for node in nodes:
@@ -184,10 +190,13 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--stages", type=int, default=2, help="stages of the run (fewer stages: larger stages)")
     parser.add_argument("--announce_period_s", type=float, default=1.0, help="live announce period")
     parser.add_argument("--read_period_s", type=float, default=0.25, help="live poll period of a peer's own stage")
-    parser.add_argument("--warmup_s", type=float, default=15.0, help="seconds (before stretching) before measuring")
-    parser.add_argument("--measure_s", type=float, default=20.0, help="seconds (before stretching) measured per size")
-    parser.add_argument("--nodes_per_core_s", type=float, default=4.0,
+    parser.add_argument("--warmup_s", type=float, default=8.0, help="seconds (before stretching) before measuring")
+    parser.add_argument("--measure_s", type=float, default=8.0, help="seconds (before stretching) measured per size")
+    parser.add_argument("--nodes_per_core_s", type=float, default=8.0,
                         help="nodes this machine keeps at the live periods; more stretch every period alike")
+    parser.add_argument("--pollers", type=int, default=8,
+                        help="nodes that also poll (every node stores): a lookup costs the reader's CPU ~0.1-0.5 s "
+                             "in hivemind, so one process cannot poll for hundreds of nodes")
     parser.add_argument("--model_peers", default="1000,10000", help="comma list of modelled swarm sizes")
     args = parser.parse_args(argv)
     _count_rpc_bytes()
@@ -198,7 +207,7 @@ def main(argv: List[str]) -> int:
               f"a store, {row['bytes_per_poll']} B a poll), directory levels {row['levels']}, record "
               f"{row['max_record_bytes']} B, largest message {row['max_message_bytes']} B, lookup p50 "
               f"{row['lookup_ms_p50']} ms with periods x{row['stretch']:g}, {row['records_seen_per_peer']} records "
-              f"seen per peer, max RSS {row['max_rss_mib']} MiB", flush=True)
+              f"seen per poller ({row['pollers']} pollers), {row['failed_polls']} of {row['polls']} polls failed, max RSS {row['max_rss_mib']} MiB", flush=True)
         rows.append(row)
     record_bytes = max(r["max_record_bytes"] for r in rows)
     model = calibrate(TrafficModel(record_bytes=record_bytes, num_stages=args.stages,

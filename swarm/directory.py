@@ -104,6 +104,9 @@ class Directory:
                 partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True), timeout + 1.0)
         except (asyncio.TimeoutError, Exception) as e:
             logger.warning(f"DHT lookup of {self.run_id!r} stages failed: {type(e).__name__}: {e}")
+            for stage, (chains, _) in plans.items():
+                if chains:  # no probe again at once: a probe is the heaviest read, and lookups are failing
+                    self.stages[stage].probed_at = now
             if strict:
                 raise LookupError(f"DHT lookup of {self.run_id!r} stages failed") from e
             return False
