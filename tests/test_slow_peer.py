@@ -13,6 +13,7 @@ from swarm.policy.slow_replicas import (
     SLOW_TOLERANCE, completion_times, probe_allowed, standby_verdict, worth_waiting_for,
 )
 from swarm.policy.snapshot import PeerInfo
+from swarm.server.runner import ThroughputMeter
 from swarm.simulate.slow_peer import SlowPeerScenario, run_slow_peer_scenario
 
 
@@ -175,3 +176,25 @@ def test_a_replica_is_measured_by_its_slowest_kind_of_call():
     assert all(router.choose(_stage([0.0, 0.0]), 0.0).peer_id == "p0" for _ in range(200))
     router.forget("p1")
     assert router.measured_throughput("p1") == 0.0
+
+
+# ---- what a replica announces about itself ----
+
+def test_the_meter_skips_the_cold_first_call_and_forgets_a_stale_measurement():
+    """A first call that paid for lazy initialisation must not make a replica look slow, and a replica
+    that got no work for ``stale_s`` announces 0 (unknown): a figure nobody refreshes would keep it
+    standing by forever; with it gone, trainers probe it, it measures itself anew, and that decides."""
+    now = [0.0]
+    meter = ThroughputMeter(alpha=0.5, warmup_calls=1, stale_s=60.0, clock=lambda: now[0])
+    meter.update("backward", 10, 5.0)  # cold: 0.5 s a sample
+    assert meter.samples_per_s == 0.0
+    meter.update("backward", 10, 0.1)
+    assert meter.samples_per_s == pytest.approx(100.0)
+    meter.update("backward", 10, 0.3)  # EMA: 0.02 s a sample
+    assert meter.samples_per_s == pytest.approx(50.0)
+    now[0] = 61.0
+    assert meter.samples_per_s == 0.0
+    snapshot = [PeerInfo("slow", 0, "online", meter.samples_per_s, 0), *_stage([1000.0, 1000.0])[1:]]
+    assert not standby_verdict("slow", snapshot).standby
+    meter.update("backward", 10, 0.01)  # afresh, not averaged with the stale figure
+    assert meter.samples_per_s == pytest.approx(1000.0)

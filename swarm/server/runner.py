@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -65,23 +65,41 @@ class FrozenStep:
 
 
 class ThroughputMeter:
-    """EMA of seconds of compute per sample, per kind of work; throughput = samples/s of fwd+bwd."""
+    """EMA of seconds of compute per sample, per kind of work; throughput = samples/s of fwd+bwd.
 
-    def __init__(self, alpha: float = 0.2):
-        self.alpha = alpha
+    The first ``warmup_calls`` calls of each kind are not counted: they pay for lazy initialisation
+    (allocator, kernels) and would make a fresh replica look several times slower than it is. A kind
+    not measured for ``stale_s`` seconds no longer counts, and its next measurement starts afresh: a
+    replica that gets no work (standing by, or set aside by trainers) then announces 0, unknown, rather
+    than a figure from conditions long gone, so trainers try it again and it measures itself anew."""
+
+    def __init__(self, alpha: float = 0.2, warmup_calls: int = 1, stale_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.alpha, self.warmup_calls, self.stale_s, self.clock = alpha, warmup_calls, stale_s, clock
         self.cost_s: Dict[str, float] = {}
+        self.updated_at: Dict[str, float] = {}
+        self.calls: Dict[str, int] = {}
 
     def update(self, kind: str, samples: int, elapsed_s: float) -> None:
-        cost = elapsed_s / max(samples, 1)
-        old = self.cost_s.get(kind)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        if self.calls[kind] <= self.warmup_calls:
+            return
+        now, cost = self.clock(), elapsed_s / max(samples, 1)
+        old = self.cost_s.get(kind) if self._fresh(kind, now) else None
         self.cost_s[kind] = cost if old is None else (1 - self.alpha) * old + self.alpha * cost
+        self.updated_at[kind] = now
+
+    def _fresh(self, kind: str, now: float) -> bool:
+        return kind in self.cost_s and now - self.updated_at[kind] <= self.stale_s
 
     @property
     def samples_per_s(self) -> float:
-        if "forward_backward" in self.cost_s:
-            total = self.cost_s["forward_backward"]
-        elif "backward" in self.cost_s:
-            total = self.cost_s["backward"] + self.cost_s.get("forward", 0.0)
+        now = self.clock()
+        cost = {kind: value for kind, value in self.cost_s.items() if self._fresh(kind, now)}
+        if "forward_backward" in cost:
+            total = cost["forward_backward"]
+        elif "backward" in cost:
+            total = cost["backward"] + cost.get("forward", 0.0)
         else:
             return 0.0
         return 1.0 / total if total > 0 else 0.0
