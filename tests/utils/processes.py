@@ -58,7 +58,8 @@ class Launcher:
     def close(self) -> None:
         """Stop every role at once (each leaves gracefully in parallel, within one shared bound), then
         kill whatever is left of their process groups."""
-        stop_all(list(reversed(self.processes)), timeout=15)
+        processes, self.processes = self.processes, []  # stopped once: a second close signals no reused pid
+        stop_all(list(reversed(processes)), timeout=15)
 
 
 def wait_for_log_lines(process: RoleProcess, predicate: Callable[[str], bool], timeout: float,
