@@ -7,7 +7,8 @@ validators (``RSASignatureValidator`` + the run schema), each acting as a stage 
 period and ``--pollers`` of them (spread over the stages) also poll it (its own stage every poll, the other
 stages every announce period, probes every probe period) every poll period: a hivemind lookup costs
 its reader 0.1-0.5 s of CPU, so one process cannot poll for hundreds of nodes, and the traffic per poll
-is what one poller measures. On 2 cores N nodes cannot keep the live periods, so all periods are
+is what one poller measures; the others probe their stage every probe period, so that they store at the
+levels a live peer of that stage would. Every node stores once before anyone reads. On 2 cores N nodes cannot keep the live periods, so all periods are
 stretched by ``max(1, N / --nodes_per_core_s)`` alike (the mix of reads, stores and probes stays that
 of a live peer), and bytes are measured *per operation*: every DHT RPC's request and reply,
 serialized (``P2P.call_protobuf_handler``, so libp2p's framing and encryption are left out), is
@@ -112,7 +113,9 @@ class _NodeAsDHT:
 async def _participate(directory: Directory, identity: Identity, stage: int, stretch: float, args, stop: float,
                        counts: Dict[str, int], latencies: List[float], polls: bool) -> None:
     """A stage peer's control plane, two loops as in a live peer: store every announce period, and (``polls``)
-    poll every poll period."""
+    poll every poll period. A node that does not poll still probes its stage every probe period, as a live
+    peer's polls would: what it stores where depends on the size it estimates (those reads are charged to
+    "probe", outside the figures: a poller's polls already count its probes)."""
     announce_s, poll_s = args.announce_period_s * stretch, args.read_period_s * stretch
 
     async def announce() -> None:
@@ -133,7 +136,13 @@ async def _participate(directory: Directory, identity: Identity, stage: int, str
             counts["failed"] += not succeeded
             await asyncio.sleep(poll_s)
 
-    await asyncio.gather(asyncio.create_task(announce()), *([asyncio.create_task(poll())] if polls else []))
+    async def probe() -> None:
+        _OPERATION.set("probe")
+        while time.monotonic() < stop:
+            await directory.read([stage], timeout=10.0)
+            await asyncio.sleep(directory.probe_period_s)
+
+    await asyncio.gather(asyncio.create_task(announce()), asyncio.create_task(poll() if polls else probe()))
 
 
 async def live(num_peers: int, num_stages: int, args) -> dict:
@@ -153,6 +162,9 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
                                  probe_period_s=PROBE_PERIOD_S * stretch)
                        for node, (identity, _, _) in zip(nodes, participants)]
         warm_counts, measured_counts = {"store": 0, "poll": 0, "failed": 0}, {"store": 0, "poll": 0, "failed": 0}
+        # every record stored once before anyone reads: first probes see the stage, not an empty one
+        await asyncio.gather(*(d.store(_record(i, s), expiration_s=6.0 * stretch, timeout=10.0)
+                               for d, (i, _, s) in zip(directories, participants)))
         warm_stop = time.monotonic() + args.warmup_s * stretch
         pollers = set(range(0, num_peers, max(1, num_peers // args.pollers)))  # spread over the stages
         await asyncio.gather(*(_participate(d, i, s, stretch, args, warm_stop, warm_counts, [], k in pollers)

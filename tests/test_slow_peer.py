@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from swarm.policy.routing import Router
+from swarm.policy.routing import SETTLE_CALLS, Router
 from swarm.policy.slow_replicas import (
     SLOW_TOLERANCE, completion_times, probe_allowed, standby_verdict, worth_waiting_for,
 )
@@ -82,16 +82,34 @@ def test_router_leaves_out_the_slow_replica_and_takes_it_back_when_the_others_qu
 def test_router_probes_an_unmeasured_replica_once_at_a_time():
     router = Router(seed=1, slow_tolerance=SLOW_TOLERANCE)
     for peer_id in ("p0", "p1"):
-        router.report_success(peer_id, samples=8, elapsed_s=0.1)
+        for _ in range(SETTLE_CALLS):
+            router.report_success(peer_id, samples=8, elapsed_s=0.1)
     peers = _stage([0.0, 0.0, 0.0])  # nothing announced yet: routed by this trainer's own timing
     draws = Counter(router.choose(peers, 0.0, in_flight={"p2": 1}).peer_id for _ in range(500))
     assert draws["p2"] == 0 and draws["p0"] > 150 and draws["p1"] > 150
     draws = Counter(router.choose(peers, 0.0, in_flight={}).peer_id for _ in range(3000))
     assert draws["p2"] > 500  # free to probe: it gets the mean share, as any new replica
-    # once timed as 50x slower, it is left out
+    # one call timed as 50x slower is not yet a verdict: it is still probed, one call at a time
     router.report_success("p2", samples=8, elapsed_s=5.0)
-    assert router.choose(peers, 0.0).peer_id != "p2"
-    assert all(router.choose(peers, 0.0).peer_id != "p2" for _ in range(300))
+    assert any(router.choose(peers, 0.0, in_flight={}).peer_id == "p2" for _ in range(300))
+    assert all(router.choose(peers, 0.0, in_flight={"p2": 1}).peer_id != "p2" for _ in range(300))
+    # timed as 50x slower on every settling call: it is left out
+    for _ in range(SETTLE_CALLS - 1):
+        router.report_success("p2", samples=8, elapsed_s=5.0)
+    assert all(router.choose(peers, 0.0, in_flight={}).peer_id != "p2" for _ in range(300))
+
+
+def test_a_slow_first_call_does_not_shut_a_replica_out():
+    """The first call to a fresh replica pays for its lazy initialisation; the calls after it decide."""
+    router = Router(seed=3, slow_tolerance=SLOW_TOLERANCE)
+    for peer_id in ("p0", "p1"):
+        for _ in range(SETTLE_CALLS):
+            router.report_success(peer_id, samples=8, elapsed_s=0.1)
+    router.report_success("p2", samples=8, elapsed_s=2.0)  # cold
+    for _ in range(SETTLE_CALLS - 1):
+        router.report_success("p2", samples=8, elapsed_s=0.1)
+    shares = {p.peer_id: share for p, share in router.distribution(_stage([0.0, 0.0, 0.0]), 0.0)}
+    assert shares["p2"] == pytest.approx(1 / 3, rel=0.2)
 
 
 def test_router_never_runs_out_of_replicas_by_the_slow_rule():

@@ -15,7 +15,10 @@ replica's own compute does: hence the bounded say.
 
 A trainer with ``slow_tolerance`` set also leaves out replicas whose expected completion time is far
 worse than their stage-mates' (:mod:`swarm.policy.slow_replicas`), and keeps at most ``max_probes``
-calls in flight to a replica it has not timed yet.
+calls in flight to a replica it has not timed yet. Leaving a replica out is a verdict nothing revisits
+(no call, no new measurement), so it takes a settled measurement: until ``SETTLE_CALLS`` calls of each
+kind have come back, a replica counts as untimed there (one slow first call, which pays for the replica's
+lazy initialisation, would otherwise shut it out for good).
 
 Everything here is pure given ``now`` and the seed: the live trainer passes
 ``time.monotonic()``, the simulator passes simulated time, tests pass whatever they like.
@@ -42,6 +45,7 @@ MEASURED_CAP = 2.0  # an unmeasured replica counts at most this multiple of the 
 ANNOUNCED_TRUST = 4.0  # an announcement moves a measured replica's weight by at most this factor either way
 MEASURE_WINDOW = 16  # successful calls per replica that its measurement is taken over
 MEASURE_QUANTILE = 0.25  # which quantile of those calls' wall seconds per sample is the measurement
+SETTLE_CALLS = 3  # calls of each kind timed before the slow rule may leave a replica out
 
 
 class NoPeerAvailable(RuntimeError):
@@ -202,23 +206,34 @@ class Router:
                     and not now < distrusted_until.get(peer.peer_id, -math.inf)]
         if not eligible:
             return []
+        slow_rule = math.isfinite(self.slow_tolerance) and len(eligible) > 1
+        measured = [self._settled_throughput(peer.peer_id) if slow_rule else self.measured_throughput(peer.peer_id)
+                    for peer in eligible]
         throughputs = effective_throughputs(
-            [peer.throughput for peer in eligible], [self.measured_throughput(peer.peer_id) for peer in eligible],
+            [peer.throughput for peer in eligible], measured,
             announced_cap=self.announced_cap, measured_cap=self.measured_cap, announced_trust=self.announced_trust)
         weights = routing_weights(throughputs)
-        if math.isfinite(self.slow_tolerance) and len(eligible) > 1:
-            weights = self._without_slow(eligible, throughputs, weights, in_flight or {})
+        if slow_rule:
+            weights = self._without_slow(eligible, measured, weights, in_flight or {})
         return list(zip(eligible, weights.tolist()))
 
-    def _without_slow(self, eligible: Sequence[PeerInfo], throughputs: np.ndarray, weights: np.ndarray,
+    def _settled_throughput(self, peer_id: str) -> float:
+        """The measurement of ``peer_id`` once every kind of call to it was timed ``SETTLE_CALLS`` times
+        (or the whole window, if shorter); 0.0, untimed, before."""
+        kinds = self._by_kind.get(peer_id, {})
+        needed = min(SETTLE_CALLS, self.measure_window)
+        if not kinds or any(len(self._costs_s[(peer_id, kind)]) < needed for kind in kinds):
+            return 0.0
+        return self.measured_throughput(peer_id)
+
+    def _without_slow(self, eligible: Sequence[PeerInfo], measured: Sequence[float], weights: np.ndarray,
                       in_flight: Mapping[str, int]) -> np.ndarray:
         """``weights`` with the replicas not worth waiting for, and unmeasured ones probed enough, at 0
         (renormalised); the replica of the earliest expected completion always keeps its share."""
         calls = np.array([in_flight.get(peer.peer_id, 0) for peer in eligible], dtype=np.float64)
         queues = np.maximum(calls, [peer.queue_length for peer in eligible])
         keep = worth_waiting_for(weights, queues, self.slow_tolerance)
-        keep &= np.array([probe_allowed(self.measured_throughput(peer.peer_id), int(count), self.max_probes)
-                          for peer, count in zip(eligible, calls)])
+        keep &= np.array([probe_allowed(timed, int(count), self.max_probes) for timed, count in zip(measured, calls)])
         if not keep.any():
             keep[int(np.argmin((queues + 1.0) / weights))] = True
         kept = np.where(keep, weights, 0.0)
