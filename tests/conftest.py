@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
 import pytest
 
 from peers.netns import Hosts, NamespacesUnavailable
 from tests.utils.probe import Probe
 from tests.utils.processes import Launcher
+
+
+LOG_EXCERPT_LINES = 25  # per role: its last lines, plus every warning and error before them (capped)
+LOG_WARNINGS = 40
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed live test shows what its roles logged: a stall or a wrong verdict in CI leaves no other trace."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if report.when == "call" and report.failed and tmp_path is not None:
+        for log in sorted(Path(tmp_path).rglob("*.log")):
+            report.sections.append((f"role log {log.relative_to(tmp_path)}", _log_excerpt(log)))
+
+
+def _log_excerpt(log: Path) -> str:
+    lines = log.read_text(errors="replace").splitlines()
+    head, tail = lines[:-LOG_EXCERPT_LINES], lines[-LOG_EXCERPT_LINES:]
+    flagged = [line for line in head if "[WARN" in line or "[ERROR" in line or "Traceback" in line][-LOG_WARNINGS:]
+    return "\n".join([*flagged, "...", *tail] if flagged else tail)
 
 
 @pytest.fixture

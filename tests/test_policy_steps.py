@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, clock_step, diverged, majority_state, must_wait, near_target, needs_resync, others_pending,
+    DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, clock_step, distrust_seconds, diverged, majority_state, must_wait, near_target, needs_resync, others_pending,
     overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
 )
 
@@ -149,3 +149,11 @@ def test_clock_step_is_an_upper_median():
     assert clock_step([7, 8]) == 8
     assert clock_step([7, 7, 10**9]) == 7  # one replica announcing a far step does not move the others
     assert clock_step([7, 8, 8]) == 8
+
+
+def test_a_failure_an_honest_replica_can_cause_costs_less_distrust_than_a_proven_lie():
+    assert distrust_seconds(None) == DISTRUST_S
+    assert distrust_seconds(1) == FIRST_STRIKE_S < DISTRUST_S
+    # each failure in a row doubles the time, up to the liar's
+    assert [distrust_seconds(n, limit=100.0, first=10.0) for n in (1, 2, 3, 4, 5)] == [10.0, 20.0, 40.0, 80.0, 100.0]
+    assert distrust_seconds(50) == DISTRUST_S

@@ -11,6 +11,8 @@ What the other replicas announce is a claim, not a fact: a record can be stale, 
 - a replica's claimed pending samples count at most what the stage could plausibly hold for it, and
   a replica whose claim was not borne out by the step's all-reduce (:func:`overclaimers`) is
   distrusted for a while;
+- a failure an honest replica can cause too (it did not average, a download from it failed) costs
+  it a short, escalating distrust (:func:`distrust_seconds`), a proven lie the full one;
 - averaging a step needs nobody in particular: after ``max_failed_rounds`` rounds without a group,
   a replica applies the step alone (:func:`step_alone`), so a replica that announces itself online
   but never averages cannot stall the stage.
@@ -21,18 +23,21 @@ the simulator can build it from its own state. No clocks, no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections import Counter
-from typing import Collection, Dict, FrozenSet, Mapping, Optional, Sequence, Set, Tuple
+from typing import Collection, Mapping, Optional, Sequence, Set, Tuple
 
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "clock_step", "stage_mates", "min_group_size", "majority_group", "confirmed_below", "MAX_CLAIM_SHARE",
+    "overclaimers", "clock_step", "stage_mates", "min_group_size", "majority_group", "confirmed_below", "distrust_seconds",
+    "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
 ]
 
 # a replica's claimed pending samples count at most this multiple of its fair share of the global batch
 MAX_CLAIM_SHARE = 2.0
+DISTRUST_S = 120.0  # seconds a replica's claims are ignored once they proved false
+FIRST_STRIKE_S = 15.0  # seconds for a first failure that an honest replica can cause too
 
 
 @dataclass(frozen=True)
@@ -232,3 +237,16 @@ def overclaimers(claims: Mapping[str, int], gathered: Mapping[str, int], slack: 
     reported fewer than ``slack`` times its claim (or stayed away) made the step close early on its word."""
     return {peer_id for peer_id, claimed in claims.items()
             if claimed > 0 and gathered.get(peer_id, 0) < slack * claimed}
+
+
+def distrust_seconds(strikes: Optional[int], limit: float = DISTRUST_S, first: float = FIRST_STRIKE_S) -> float:
+    """How long to ignore a replica's claims. ``strikes=None``: its claim was proven false (it served
+    another state than it announced, its all-reduce contribution did not bear out its claim): the full
+    ``limit``. Otherwise ``strikes`` consecutive failures that a slow or briefly unreachable honest
+    replica causes too (a round it did not join, a state download from it that failed): ``first``,
+    doubling with each, up to ``limit``. A replica left behind by one such failure then catches up
+    within seconds instead of minutes, while one that keeps announcing what it never delivers is
+    soon ignored as long as a liar."""
+    if strikes is None:
+        return limit
+    return min(limit, first * 2 ** max(0, strikes - 1))

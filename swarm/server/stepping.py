@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, List, Sequence, Set, Tuple
 
 from hivemind.utils import get_logger
 
 from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, confirmed_below, majority_group, min_group_size, must_wait, near_target, needs_resync, overclaimers,
-    stage_mates, step_alone, step_is_due, trusted_others,
+    DISTRUST_S, ReplicaClaim, StageView, confirmed_below, distrust_seconds, majority_group, min_group_size, must_wait,
+    near_target, needs_resync, overclaimers, stage_mates, step_alone, step_is_due, trusted_others,
 )
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
@@ -28,7 +28,7 @@ from swarm.records import (
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
 
-__all__ = ["StepCoordinator", "FAST_PERIOD_S", "MEMBER_HISTORY"]
+__all__ = ["StepCoordinator", "DISTRUST_S", "FAST_PERIOD_S", "MEMBER_HISTORY"]
 
 logger = get_logger(__name__)
 FAST_PERIOD_S = 0.05  # announce/check period (seconds) while a stage nears its global batch
@@ -36,7 +36,6 @@ MEMBER_HISTORY = 256  # applied steps whose group members a replica remembers (t
 HISTORY_STEPS = 64  # past (step, digest) pairs a replica remembers: a majority that lags on them needs no resync
 MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica applies a step alone
 RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
-DISTRUST_S = 120.0  # seconds a replica's claims are ignored after they proved false
 BAN_S = 3600.0  # seconds a replica caught lying in averaging stays banned (by this replica's averager too)
 TENTATIVE_S = 30.0  # seconds a step a minority averaged stays tentative before its replica stands by it
 
@@ -50,6 +49,7 @@ class StepCoordinator:
         self.members: "OrderedDict[int, List[str]]" = OrderedDict()  # applied step -> peers whose gradients it averaged
         self.contributed = (0, 0)  # (base, bits): steps that included this replica's gradients
         self._distrusted: Dict[str, float] = {}  # peer id -> monotonic time until which its claims are ignored
+        self._strikes: Dict[str, int] = {}  # peer id -> consecutive failures it may not be to blame for
         self._banned: Dict[str, float] = {}  # peer id -> monotonic time it was banned from averaging (newest last)
         self._others: Tuple[ReplicaClaim, ...] = ()
         self._voters: Tuple[ReplicaClaim, ...] = ()  # stage-mates whose announced state counts (see StageView.voters)
@@ -102,11 +102,22 @@ class StepCoordinator:
             self.distrust([peer_id], "banned from averaging by most of the stage")
             peer.averager.ban([peer_id], BAN_S)
 
-    def distrust(self, peer_ids, why: str) -> None:
+    def distrust(self, peer_ids, why: str, transient: bool = False) -> None:
+        """Ignore the claims of ``peer_ids``: for :data:`DISTRUST_S` after a proven lie, for an escalating
+        while after a ``transient`` failure (see :func:`distrust_seconds`)."""
         for peer_id in peer_ids:
+            strikes = None
+            if transient:
+                strikes = self._strikes[peer_id] = self._strikes.get(peer_id, 0) + 1
+            seconds = distrust_seconds(strikes)
             if peer_id not in self._distrusted:
-                logger.warning(f"stage {self.peer.stage}: ignoring the claims of {peer_id} for {DISTRUST_S:.0f}s: {why}")
-            self._distrusted[peer_id] = time.monotonic() + DISTRUST_S
+                logger.warning(f"stage {self.peer.stage}: ignoring the claims of {peer_id} for {seconds:.0f}s: {why}")
+            self._distrusted[peer_id] = max(self._distrusted.get(peer_id, 0.0), time.monotonic() + seconds)
+
+    def _delivered(self, peer_ids) -> None:
+        """These replicas did what they announced (averaged with us, served their state): strikes forgotten."""
+        for peer_id in peer_ids:
+            self._strikes.pop(peer_id, None)
 
     # ---- admission (called by the backward handler) ----
 
@@ -158,12 +169,16 @@ class StepCoordinator:
         delivered = await peer.joining.download_state(max_attempts=RESYNC_ATTEMPTS)
         # a claim that no download could bear out is ignored for a while (then believed again, if still made)
         false_states = [c.peer_id for c in ahead if c.step > peer.runner.step]
+        # a download that failed proves little (the source may be slow, or stepped since it announced):
+        # its claims are ignored briefly, and longer with each failure in a row
         self.distrust(false_states, f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
-                                    f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}")
+                                    f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}",
+                      transient=not delivered)
         for peer_id in false_states:
-            self._state_distrusted[peer_id] = time.monotonic() + DISTRUST_S
+            self._state_distrusted[peer_id] = self._distrusted[peer_id]
         self._failed_rounds = 0
         if delivered:
+            self._delivered(c.peer_id for c in ahead if c.peer_id not in false_states)
             self.history.clear()  # a state of the stage's lineage replaced ours
 
     async def _global_step(self, view: StageView) -> None:
@@ -195,7 +210,7 @@ class StepCoordinator:
                 logger.warning(f"stage {peer.stage}: no replica averaged step {frozen.step} in {self._failed_rounds} "
                                f"rounds; applying it alone")
                 silent = [c.peer_id for c in mates]
-                self.distrust(silent, "announced itself online but did not average")
+                self.distrust(silent, "announced itself online but did not average", transient=True)
                 self._silent.update(silent)
                 await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id], tentative=True)
             return  # otherwise the frozen step stays: the next poll retries, or resyncs if others moved on
@@ -211,6 +226,7 @@ class StepCoordinator:
         if liars:
             self.distrust(liars, "announced pending samples that its all-reduce contribution did not bear out")
         self._silent.difference_update(gathered)
+        self._delivered(gathered)
         # the samples of every gradient that went in, whatever its weight
         included = [p for p in result.included if p in samples]
         await self.apply(result.tensors, sum(samples[p] for p in included), sorted(included),

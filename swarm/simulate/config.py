@@ -37,7 +37,7 @@ class StepSimConfig:
     matchmaking_time_s: float = 2.0  # seconds replicas wait to form an all-reduce group; a failed round costs 3x
     stage_param_mib: float = 100.0  # MiB of gradients a replica averages (it sends and receives ~2x this)
     max_failed_rounds: int = 2  # rounds without a group before a replica applies a step alone (live value)
-    distrust_s: float = 120.0  # seconds a replica's claims are ignored once they proved false (live value)
+    distrust_s: float = 120.0  # seconds claims are ignored after a proven lie; the cap for failures (live value)
     resync_time_s: float = 60.0  # seconds a replica spends downloading the stage's state when out of sync
     stalled_peers: Tuple[str, ...] = ()  # peers that announce themselves online but never average (frozen replicas)
 

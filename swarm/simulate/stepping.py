@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, majority_state, must_wait, near_target, needs_resync, others_pending, others_reserved,
+    ReplicaClaim, StageView, distrust_seconds, majority_state, must_wait, near_target, needs_resync, others_pending, others_reserved,
     overclaimers, step_alone, step_is_due, trusted_others,
 )
 from swarm.simulate.config import StepSimConfig
@@ -101,6 +101,7 @@ class _Stage:
     replicas: Dict[str, _Replica] = field(default_factory=dict)
     round: Optional[_Round] = None
     distrusted: Dict[str, float] = field(default_factory=dict)  # peer id -> until when its claims are ignored
+    strikes: Dict[str, int] = field(default_factory=dict)  # peer id -> rounds in a row it did not join
     last_state: Tuple[int, str] = (0, "init")  # kept for a stage that every replica left (its checkpoint)
     check_at: float = math.inf  # the pending check's time
 
@@ -434,23 +435,29 @@ class StepSim:
         replica.failed_rounds += 1
         if step_alone(replica.failed_rounds, self.config.max_failed_rounds):
             self.report.steps_alone += 1
-            self._distrust(stage, stage.round.others)
+            self._distrust(stage, stage.round.others, transient=True)
             self._apply(stage, members)
         else:
             self._start_round(stage, "failed_rounds", 3.0 * self.config.matchmaking_time_s, "round_failed")
 
-    def _distrust(self, stage: _Stage, peer_ids) -> None:
-        until = self.now + self.config.distrust_s
+    def _distrust(self, stage: _Stage, peer_ids, transient: bool = False) -> None:
         for peer_id in peer_ids:
+            strikes = None
+            if transient:
+                strikes = stage.strikes[peer_id] = stage.strikes.get(peer_id, 0) + 1
+            until = self.now + distrust_seconds(strikes, limit=self.config.distrust_s)
             if stage.distrusted.get(peer_id, -math.inf) <= self.now:
                 self.report.distrusted += 1
-            stage.distrusted[peer_id] = until
+            stage.distrusted[peer_id] = max(stage.distrusted.get(peer_id, -math.inf), until)
 
     def _apply(self, stage: _Stage, members: List[str]) -> None:
         """Apply the step with the members' gradients; the clock's steps are the swarm's global steps."""
         round_, now = stage.round, self.now
         gathered = {p: int(stage.replicas[p].pending) for p in members}
         self._distrust(stage, sorted(overclaimers(round_.claims, gathered)))
+        if len(members) > 1:
+            for peer_id in members:
+                stage.strikes.pop(peer_id, None)
         first = stage.replicas[members[0]]
         step, digest = first.step + 1, f"s{stage.index}-{first.step + 1}-{members[0]}"
         for peer_id in members:
