@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, distrust_seconds, majority_state, must_wait, near_target, needs_resync, others_pending, others_reserved,
-    overclaimers, step_alone, step_is_due, trusted_others,
+    ReplicaClaim, StageView, distrust_seconds, majority_state, must_wait, near_target, needs_resync, others_pending,
+    others_reserved, overclaimers, step_alone, step_is_due, trusted_others,
 )
 from swarm.simulate.config import StepSimConfig
 
