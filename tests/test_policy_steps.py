@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from swarm.policy.steps import (
-    DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, clock_step, distrust_seconds, diverged, majority_state, must_wait, near_target, needs_resync, others_pending,
-    overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
+    DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, clock_step, distrust_seconds, diverged, majority_state,
+    must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
 )
 
 TARGET = 100
