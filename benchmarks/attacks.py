@@ -19,8 +19,9 @@ swarm per run, runs one after another:
     ``--duration_s`` without a sample limit) and must download the stage's state; the attacker
     serves it poisoned state, which the joiner must refuse with the defences on;
   * per attack: a run with the defences on and one with ``--defences false`` (same seed and samples),
-    and clean runs (the attacker's slot taken by an honest role), defences on and off, once per swarm
-    shape and reused by every attack of that shape.
+    and clean runs (the attacker's slot taken by an honest role), defences on and off, reused by every
+    attack of that swarm shape: ``--clean_repeats`` (3) of each, on and off taking turns, because one
+    run's throughput moves by 10-40% with what else the shared cores do.
 
 Measured, per run:
   loss             the mean of trainer0's logged losses (each the mean over its last 20 micro-batches, logged
@@ -44,15 +45,18 @@ Measured, per run:
                    the attacker's state; for trainer attacks the first WARN line of an honest peer naming the
                    attacker trainer. null if never. ``attacker_excluded_after_online_s`` counts from the
                    attacker's own ready line instead. Resolution: log stamps (ms) and polling (0.2 s).
-Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on), defended and undefended runs,
-``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack run over the clean
-defended run of the same shape), ``undefended_diverged`` (the undefended run's held-out loss is not finite
-or no better than the initialisation's, or its trainer loss is not finite).
+Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on; the first of the repeats), defended
+and undefended runs, ``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack
+run over the median of the clean defended runs of the same shape), ``undefended_diverged`` (the undefended
+run's held-out loss is not finite or no better than the initialisation's, or its trainer loss is not finite),
+and ``clean_throughput_ratio_on_vs_off``: the median clean throughput with the defences on over the median
+without them, for the attack's swarm shape (every clean throughput is in ``clean_throughputs``).
 
 Output: progress lines, a table, a summary line (clean throughput, defences on vs off), then one JSON list.
 Every process's log is kept in ``--log_dir`` (a fresh temporary directory by default).
 
-Usage: python benchmarks/attacks.py [--samples_per_trainer 3072] [--attacks a,b] [--skip_undefended] [--log_dir DIR]
+Usage: python benchmarks/attacks.py [--samples_per_trainer 3072] [--attacks a,b] [--clean_repeats 3] [--skip_undefended]
+                                  [--log_dir DIR]
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, from: {', '.join(ATTACKS)}")
     p.add_argument("--seed", type=int, default=0, help="the run's --seed (initialisation); trainers draw with seed+1, seed+2")
     p.add_argument("--skip_undefended", action="store_true", help="no --defences false runs (quicker; no harm figures)")
+    p.add_argument("--clean_repeats", type=int, default=3,
+                   help="clean runs per swarm shape and defence setting (their median throughput is compared)")
     p.add_argument("--attacked_replicas", type=int, default=4, help="replicas of the attacked stage, the attacker included")
     p.add_argument("--other_replicas", type=int, default=1, help="replicas of the other stage")
     p.add_argument("--target_batch_size", type=int, default=256, help="samples per global step")
@@ -107,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown attacks {unknown}; known: {list(ATTACKS)}")
     if args.samples_per_trainer < 0:
         p.error("--samples_per_trainer must be 0 (no limit) or positive")
+    if args.clean_repeats < 1:
+        p.error("--clean_repeats must be at least 1")
     if args.attacked_replicas < 3:
         p.error("--attacked_replicas must be at least 3 (an attacker and two honest replicas)")
     return args
@@ -395,10 +403,17 @@ def shape(attack: Attack, args) -> str:
             f"{trainers}")
 
 
-def combine(attack: Attack, args, clean: Dict[bool, Dict[str, Any]], on: Dict[str, Any],
+def median_throughput(runs: List[Dict[str, Any]]) -> Optional[float]:
+    """The median of the runs' throughputs (the upper one of an even count); None if no run measured one."""
+    values = sorted(r["throughput_samples_per_s"] for r in runs if r.get("throughput_samples_per_s") is not None)
+    return values[len(values) // 2] if values else None
+
+
+def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: Dict[str, Any],
             off: Optional[Dict[str, Any]], initial: float) -> Dict[str, Any]:
     """One attack's row: its defended and undefended runs beside the clean runs of its swarm shape."""
-    clean_on, clean_off, off_ = clean[True], clean.get(False), off or {}
+    clean_on, clean_off, off_ = clean[True][0], (clean.get(False) or [None])[0], off or {}
+    throughput_on, throughput_off = median_throughput(clean[True]), median_throughput(clean.get(False) or [])
     return {
         "attack": attack.name, "shape": shape(attack, args),
         "loss_clean": clean_on.get("loss"), "loss_defended": on.get("loss"), "loss_undefended": off_.get("loss"),
@@ -412,8 +427,10 @@ def combine(attack: Attack, args, clean: Dict[bool, Dict[str, Any]], on: Dict[st
         "samples_lost": on.get("samples_lost"), "samples_lost_undefended": off_.get("samples_lost"),
         "samples_lost_clean": clean_on.get("samples_lost"),
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
-        "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"),
-                                                     clean_on.get("throughput_samples_per_s")),
+        "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
+        "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
+        "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in clean[True]],
+                              "off": [r.get("throughput_samples_per_s") for r in clean.get(False) or []]},
         "undefended_diverged": _diverged(off, initial),
         "runs": {"defended": on, "undefended": off},
     }
@@ -443,13 +460,15 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
         print("  ".join(_fmt(row.get(key)).rjust(width) for _, key, width in TABLE), flush=True)
 
 
-def summary(clean: Dict[Tuple[int, bool], Dict[str, Any]]) -> str:
+def summary(clean: Dict[Tuple[int, bool], List[Dict[str, Any]]]) -> str:
     parts = []
     for stage in sorted({s for s, _ in clean}):
-        on = clean[(stage, True)].get("throughput_samples_per_s")
-        off = (clean.get((stage, False)) or {}).get("throughput_samples_per_s")
-        parts.append(f"stage-{stage} shape: defences on {_fmt(on, 1)} / off {_fmt(off, 1)} samples/s "
-                     f"= {_fmt(_ratio(on, off))}")
+        on, off = median_throughput(clean[(stage, True)]), median_throughput(clean.get((stage, False)) or [])
+        runs = "; ".join(f"{'on' if d else 'off'} " + ", ".join(_fmt(r.get("throughput_samples_per_s"), 1)
+                                                                for r in clean.get((stage, d)) or [])
+                         for d in (True, False) if (stage, d) in clean)
+        parts.append(f"stage-{stage} shape: median defences on {_fmt(on, 1)} / off {_fmt(off, 1)} samples/s "
+                     f"= {_fmt(_ratio(on, off))} (runs: {runs})")
     return "clean throughput of trainer0, defended/undefended: " + "; ".join(parts)
 
 
@@ -464,10 +483,12 @@ async def main(args) -> List[Dict[str, Any]]:
              else f"{args.duration_s:.0f}s")
     log(f"{len(attacks)} attacks, defences {'on' if args.skip_undefended else 'on and off'}, {limit} "
         f"each; held-out loss of the initialisation {initial:.4f}; logs in {log_dir}")
-    clean: Dict[Tuple[int, bool], Dict[str, Any]] = {}
+    clean: Dict[Tuple[int, bool], List[Dict[str, Any]]] = {}
     for stage in sorted({a.stage for a in attacks}):
-        for defences in modes:
-            clean[(stage, defences)] = await run_once(RunSpec(stage, defences), args, log_dir, batches)
+        for _ in range(args.clean_repeats):  # on and off take turns, so a slow spell of the machine hits both
+            for defences in modes:
+                clean.setdefault((stage, defences), []).append(
+                    await run_once(RunSpec(stage, defences), args, log_dir, batches))
     rows = []
     for attack in attacks:
         on = await run_once(RunSpec(attack.stage, True, attack), args, log_dir, batches)

@@ -32,8 +32,10 @@ __all__ = ["Directory", "fetch_stage_records"]
 
 logger = get_logger(__name__)
 PROBE_PERIOD_S = 10.0  # seconds between probes of every level of a stage
-PROBE_CHAINS = 2  # random chains of shards (one per level) a probe reads; the first probe of a stage reads more
-FIRST_PROBE_CHAINS = 4
+# random chains of shards (one per level) a probe reads; the first probe of a stage reads more. A chain finds
+# about a shard's worth of records at the levels written, so chains x SHARD_CAPACITY records make an estimate
+PROBE_CHAINS = 4
+FIRST_PROBE_CHAINS = 8
 PROBE_WEIGHT = 0.3  # weight of the newest probe in the stage's size estimate (the rest: earlier probes)
 
 

@@ -17,6 +17,7 @@ construction, whatever the number of replicas.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import typing
 from dataclasses import dataclass
@@ -24,9 +25,8 @@ from typing import Any, Dict, Generic, List, Literal, Optional, Tuple, Type, Typ
 
 import annotated_types
 import pydantic.v1 as pydantic_v1
-from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
-from hivemind.utils import get_logger
+from hivemind.utils import MSGPackSerializer, get_logger
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
@@ -392,8 +392,14 @@ class RunSchemaValidator(SchemaValidator):
 
     def __init__(self, run_id: str, num_stages: int):
         super().__init__(run_schema(), allow_extra_keys=True)
-        self._key_id_to_field_name = {DHTID.generate(source=key).to_bytes(): kind
+        self._key_id_to_field_name = {key_id(key): kind
                                       for key, kind in run_key_kinds(validate_run_id(run_id), num_stages).items()}
+
+
+def key_id(key: str) -> bytes:
+    """``DHTID.generate(source=key).to_bytes()`` without the detour through a 160-bit int: the SHA-1 of the
+    key's msgpack form. A run of many stages has thousands of shard keys, all hashed when a node starts."""
+    return hashlib.sha1(MSGPackSerializer.dumps(key)).digest()
 
 
 def run_schema_validator(run_id: str, num_stages: int) -> SchemaValidator:

@@ -10,7 +10,8 @@ from swarm.simulate.dht_traffic import MESSAGE_CAP_BYTES, TrafficModel, calibrat
 
 def test_the_largest_message_is_one_shard_far_below_the_cap_at_ten_thousand_peers():
     model = TrafficModel(record_bytes=2048.0, num_stages=2)
-    assert shard_value_bytes(model, 16) == 8 * 2048.0  # a small stage: one key, every replica
+    assert shard_value_bytes(model, 8) == 4 * 2048.0  # a small stage: one key, every replica
+    assert shard_value_bytes(model, 16) == 4 * 2048.0  # 8 replicas a stage: two shards of 4
     for peers in (1000, 10_000):
         assert shard_value_bytes(model, peers) <= 2 * SHARD_CAPACITY * 2048.0
     assert shard_value_bytes(model, 10_000) < MESSAGE_CAP_BYTES / 50
@@ -18,7 +19,7 @@ def test_the_largest_message_is_one_shard_far_below_the_cap_at_ten_thousand_peer
 
 def test_per_peer_traffic_grows_at_most_logarithmically():
     model = TrafficModel(record_bytes=1500.0, num_stages=2)
-    sizes = [64, 256, 1000, 10_000]
+    sizes = [16, 64, 256, 1000, 10_000]
     rates = [per_peer_bytes_per_s(model, n)["total"] for n in sizes]
     for (small, low), (large, high) in zip(zip(sizes, rates), zip(sizes[1:], rates[1:])):
         assert high / low <= math.log2(large) / math.log2(small) * 1.05, (small, large, low, high)

@@ -28,8 +28,8 @@ from swarm.directory import fetch_stage_records
 from swarm.dht_io import fetch_records, store_record
 from swarm.identity import load_or_create_identity, peer_id_of
 from swarm.records import (
-    CONTRIBUTION_WINDOW, MAX_COUNT, PeerRecord, TrainerRecord, check_record, manifest_key, parse_records,
-    run_schema_validator, rewind_contributed, stage_key, trainers_key, update_contributed,
+    CONTRIBUTION_WINDOW, MAX_COUNT, PeerRecord, TrainerRecord, check_record, key_id, manifest_key, parse_records,
+    run_key_kinds, run_schema_validator, rewind_contributed, stage_key, trainers_key, update_contributed,
 )
 
 RUN_ID = f"rec{uuid.uuid4().hex[:6]}"
@@ -351,3 +351,10 @@ async def test_fetch_stage_records_merges_stages(swarm, caplog):
 async def test_a_dht_without_identity_cannot_read(swarm):
     with pytest.raises(ValueError, match="start_dht"):
         await fetch_records(swarm.rogue, stage_key(RUN_ID, 0), PeerRecord)
+
+
+def test_the_validator_hashes_keys_as_the_dht_does():
+    keys = list(run_key_kinds("run", 3))
+    assert len(keys) > 3 * 1000  # every shard of every level of every stage
+    for key in keys[:: len(keys) // 50] + [trainers_key("run"), manifest_key("run")]:
+        assert key_id(key) == DHTID.generate(source=key).to_bytes()

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
-import torch
 from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_logger

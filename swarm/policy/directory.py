@@ -29,8 +29,13 @@ from typing import Iterable, List, Tuple
 __all__ = ["SHARD_CAPACITY", "MAX_LEVEL", "WRITE_BAND", "level_for", "write_levels", "shard_of", "shard_count",
            "probe_estimate", "shards_to_read", "probe_due", "coverage_polls"]
 
-SHARD_CAPACITY = 16  # records a shard holds at most when the level matches the stage's size
-MAX_LEVEL = 8  # at most 256 shards a stage (4,096 replicas at capacity; past that shards grow, to 4 MiB at ~500,000)
+# records a shard holds at most when the level matches the stage's size: what one read of a stage moves
+# is about (1 + rotate) shards, so a small capacity keeps a poll's bytes flat from stages of a few replicas up
+SHARD_CAPACITY = 4
+MAX_LEVEL = 10  # at most 1,024 shards a stage (4,096 replicas at capacity; past that shards grow, to 4 MiB at ~2 million)
+# a reader's own shard found empty makes it probe at once only when the level it reads puts more than this many
+# records in a shard: an empty shard is then unlikely by chance (below e**-3), so the writers likely moved
+EMPTY_HOME_SURPRISE = 3.0
 WRITE_BAND = 1.4  # a writer covers sizes within this factor of its estimate (< 2: at most two levels)
 _HASH_BITS = 64
 
@@ -89,10 +94,11 @@ def shards_to_read(level: int, home: int, cursor: int, rotate: int) -> Tuple[Lis
 
 def probe_due(level: int, home_count: int, estimated_size: float, since_probe_s: float, period_s: float) -> bool:
     """Whether to probe every level again: periodically, or at once when the reader's own shard says the
-    stage left the range of its level (the writers may have moved to another level)."""
+    stage left the range of its level (the writers may have moved to another level): it is empty where
+    the size estimate makes that unlikely, or the estimate maps to a level no writer of that size uses."""
     if since_probe_s >= period_s:
         return True
-    if level > 0 and home_count == 0:  # (-1: not read yet)
+    if level > 0 and home_count == 0 and estimated_size / shard_count(level) > EMPTY_HOME_SURPRISE:  # (-1: not read yet)
         return True
     return level_for(estimated_size) != level and write_levels(estimated_size).count(level) == 0
 

@@ -224,7 +224,8 @@ class StageAverager(DecentralizedAverager):
             for dst, src in zip(tensors, mean_grads):
                 dst.copy_(src.to(torch.float64))
         try:
-            control = self.step(gather=gather, weight=float(max(samples, 1e-6)), timeout=matchmaking_timeout,
+            weight = max(self._fault.claimed_samples(samples, self._max_samples), 1e-6)
+            control = self.step(gather=gather, weight=weight, timeout=matchmaking_timeout,
                                 wait=False, allow_retries=False)
             gathered = await asyncio.wait_for(control, timeout=timeout + 5)
         except Exception as e:

@@ -63,7 +63,13 @@ class GradientFault:
     ``little_is_enough`` (Baruch et al., 2019) stays inside the honest spread: it sends its gradient moved by
     ``z`` standard deviations against itself, the deviation estimated from its own recent gradients.
     ``equivocate_gradients`` sends its true gradient to every other groupmate and a sign-flipped one
-    to the rest (see :meth:`send_override`); it needs a round in which it talks to each groupmate directly."""
+    to the rest (see :meth:`send_override`); it needs a round in which it talks to each groupmate directly.
+
+    The two x1000 attacks also lie about their weight: they claim the whole step's samples
+    (:meth:`claimed_samples`), the most a self-reported weight can say, so that without the defences'
+    bounded weights their vector dominates the stage's mean even while trainers send them little work."""
+
+    WEIGHT_LIARS = ("sign_flip_gradients", "random_gradients")
 
     SCALE = 1000.0  # the sign flip and the random direction are this many times the gradient's norm
     LITTLE_Z = 1.0  # standard deviations the little-is-enough attack moves
@@ -73,6 +79,13 @@ class GradientFault:
         self.generator = torch.Generator().manual_seed(seed)
         self._mean: Optional[List[torch.Tensor]] = None
         self._square: Optional[List[torch.Tensor]] = None
+
+    def claimed_samples(self, samples: float, step_samples: Optional[float]) -> float:
+        """The sample count this replica reports for its contribution: its true ``samples``, or for the
+        weight liars the stage's whole step (``step_samples``, the run's target batch) when that is more."""
+        if self.fault in self.WEIGHT_LIARS and step_samples is not None:
+            return max(float(samples), float(step_samples))
+        return float(samples)
 
     def corrupt(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
         if self.fault == "sign_flip_gradients":

@@ -36,7 +36,7 @@ class TrafficModel:
     announce_period_s: float = 1.0  # live PeerConfig.announce_period_s: stores, and reads of the other stages
     read_period_s: float = 0.25  # live PeerConfig.poll_period_s: reads of the peer's own stage
     probe_period_s: float = 10.0  # swarm.directory.PROBE_PERIOD_S
-    chains: int = 2  # swarm.directory.PROBE_CHAINS
+    chains: int = 4  # swarm.directory.PROBE_CHAINS
     rotate: int = 1  # shards a read covers besides the reader's own
     replication: int = 5  # nodes a value is stored on (hivemind's num_replicas default)
     hop_bytes: float = 600.0  # request + reply of one lookup hop without values
