@@ -45,7 +45,7 @@ Measured, per run:
                    the attacker's state; for trainer attacks the first WARN line of an honest peer naming the
                    attacker trainer. null if never. ``attacker_excluded_after_online_s`` counts from the
                    attacker's own ready line instead. Resolution: log stamps (ms) and polling (0.2 s).
-Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on; the first of the repeats), defended
+Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on; the repeat of median held-out loss), defended
 and undefended runs, ``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack
 run over the median of the clean defended runs of the same shape), ``undefended_diverged`` (the undefended
 run's held-out loss is not finite or no better than the initialisation's, or its trainer loss is not finite),
@@ -409,10 +409,19 @@ def median_throughput(runs: List[Dict[str, Any]]) -> Optional[float]:
     return values[len(values) // 2] if values else None
 
 
+def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The run of median held-out loss (the upper one of an even count; a run without a finite one counts as
+    worst): the clean reference, so that one unlucky or lucky clean run does not set the bar."""
+    def key(run: Dict[str, Any]) -> float:
+        value = run.get("heldout_loss")
+        return value if value is not None and math.isfinite(value) else math.inf
+    return sorted(runs, key=key)[len(runs) // 2] if runs else {}
+
+
 def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: Dict[str, Any],
             off: Optional[Dict[str, Any]], initial: float) -> Dict[str, Any]:
     """One attack's row: its defended and undefended runs beside the clean runs of its swarm shape."""
-    clean_on, clean_off, off_ = clean[True][0], (clean.get(False) or [None])[0], off or {}
+    clean_on, clean_off, off_ = median_run(clean[True]), median_run(clean.get(False) or []), off or {}
     throughput_on, throughput_off = median_throughput(clean[True]), median_throughput(clean.get(False) or [])
     return {
         "attack": attack.name, "shape": shape(attack, args),
@@ -429,6 +438,8 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
         "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
+        "clean_heldout_losses": {"on": [r.get("heldout_loss") for r in clean[True]],
+                                 "off": [r.get("heldout_loss") for r in clean.get(False) or []]},
         "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in clean[True]],
                               "off": [r.get("throughput_samples_per_s") for r in clean.get(False) or []]},
         "undefended_diverged": _diverged(off, initial),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from swarm.policy.steps import (
-    DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, clock_step, distrust_seconds, diverged, majority_state,
+    DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
     must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
 )
 
@@ -136,8 +136,11 @@ def test_claims_are_capped_and_liars_are_found_and_ignored():
     honest = claim(peer_id="H", pending=10)
     capped = others_pending(view(others=(liar, honest)))
     assert capped == int(2 * TARGET / 3) + 10
-    assert overclaimers({"L": 10**9, "H": 10}, {"H": 12, "B": 40}) == {"L"}
+    assert overclaimers({"L": 10**9, "H": 10}, {"L": 8, "H": 12, "B": 40}) == {"L"}
     assert overclaimers({"L": 80}, {"L": 30}) == {"L"}
+    # a replica that claimed and stayed out of the group may have been slow: a failure, not a proven lie
+    assert overclaimers({"L": 10**9, "H": 10}, {"H": 12, "B": 40}) == set()
+    assert absent_claimants({"L": 10**9, "H": 10, "Z": 0}, {"H": 12, "B": 40}) == {"L"}
     assert overclaimers({"H": 80}, {"H": 80}) == set()
     assert trusted_others((liar, honest), {"L"}) == (honest,)
     # once ignored, the liar no longer makes the clock close early

@@ -10,7 +10,7 @@ What the other replicas announce is a claim, not a fact: a record can be stale, 
   (the caller then lists it in ``distrusted``, and it is ignored);
 - a replica's claimed pending samples count at most what the stage could plausibly hold for it, and
   a replica whose claim was not borne out by the step's all-reduce (:func:`overclaimers`) is
-  distrusted for a while;
+  distrusted for a while, one that stayed out of it (:func:`absent_claimants`) briefly;
 - a failure an honest replica can cause too (it did not average, a download from it failed) costs
   it a short, escalating distrust (:func:`distrust_seconds`), a proven lie the full one;
 - averaging a step needs nobody in particular: after ``max_failed_rounds`` rounds without a group,
@@ -30,7 +30,8 @@ from typing import Collection, Mapping, Optional, Sequence, Set, Tuple
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "clock_step", "stage_mates", "min_group_size", "majority_group", "confirmed_below", "distrust_seconds",
+    "overclaimers", "absent_claimants", "clock_step", "stage_mates", "min_group_size", "majority_group",
+    "confirmed_below", "distrust_seconds",
     "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
 ]
 
@@ -230,13 +231,21 @@ def majority_group(members: int, view: StageView) -> bool:
 
 
 def overclaimers(claims: Mapping[str, int], gathered: Mapping[str, int], slack: float = 0.5) -> Set[str]:
-    """Replicas whose announced pending samples for a step were not borne out by its all-reduce.
+    """Group members whose announced pending samples for a step were not borne out by its all-reduce.
 
     ``claims``: the pending samples each other replica announced when the step closed; ``gathered``: the
-    samples each group member actually reported in the round. A replica that claimed samples and then
-    reported fewer than ``slack`` times its claim (or stayed away) made the step close early on its word."""
+    samples each group member actually reported in the round. A member that claimed samples and then
+    reported fewer than ``slack`` times its claim made the step close early on its word: a proven lie."""
     return {peer_id for peer_id, claimed in claims.items()
-            if claimed > 0 and gathered.get(peer_id, 0) < slack * claimed}
+            if claimed > 0 and peer_id in gathered and gathered[peer_id] < slack * claimed}
+
+
+def absent_claimants(claims: Mapping[str, int], gathered: Mapping[str, int]) -> Set[str]:
+    """Replicas that announced pending samples for a step and were not in the group that averaged it.
+    An honest replica that was slow to find the group looks the same, so this is a failure, not a proven
+    lie (:func:`distrust_seconds` with strikes): one that keeps claiming and staying away is soon
+    ignored as long as a liar."""
+    return {peer_id for peer_id, claimed in claims.items() if claimed > 0 and peer_id not in gathered}
 
 
 def distrust_seconds(strikes: Optional[int], limit: float = DISTRUST_S, first: float = FIRST_STRIKE_S) -> float:

@@ -18,8 +18,9 @@ from hivemind.utils import get_logger
 from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
-    DISTRUST_S, ReplicaClaim, StageView, confirmed_below, distrust_seconds, majority_group, min_group_size, must_wait,
-    near_target, needs_resync, overclaimers, stage_mates, step_alone, step_is_due, trusted_others,
+    DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
+    min_group_size, must_wait, near_target, needs_resync, overclaimers, stage_mates, step_alone, step_is_due,
+    trusted_others,
 )
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
@@ -225,6 +226,9 @@ class StepCoordinator:
         liars = overclaimers(claims, samples)
         if liars:
             self.distrust(liars, "announced pending samples that its all-reduce contribution did not bear out")
+        absent = absent_claimants(claims, samples)
+        if absent:
+            self.distrust(absent, "announced pending samples but did not join the step's all-reduce", transient=True)
         self._silent.difference_update(gathered)
         self._delivered(gathered)
         # the samples of every gradient that went in, whatever its weight

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, distrust_seconds, majority_state, must_wait, near_target, needs_resync, others_pending,
-    others_reserved, overclaimers, step_alone, step_is_due, trusted_others,
+    ReplicaClaim, StageView, absent_claimants, distrust_seconds, majority_state, must_wait, near_target, needs_resync,
+    others_pending, others_reserved, overclaimers, step_alone, step_is_due, trusted_others,
 )
 from swarm.simulate.config import StepSimConfig
 
@@ -455,6 +455,7 @@ class StepSim:
         round_, now = stage.round, self.now
         gathered = {p: int(stage.replicas[p].pending) for p in members}
         self._distrust(stage, sorted(overclaimers(round_.claims, gathered)))
+        self._distrust(stage, sorted(absent_claimants(round_.claims, gathered)), transient=True)
         if len(members) > 1:
             for peer_id in members:
                 stage.strikes.pop(peer_id, None)
