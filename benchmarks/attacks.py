@@ -421,12 +421,13 @@ def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
 def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: Dict[str, Any],
             off: Optional[Dict[str, Any]], initial: float) -> Dict[str, Any]:
     """One attack's row: its defended and undefended runs beside the clean runs of its swarm shape."""
-    clean_on, clean_off, off_ = median_run(clean[True]), median_run(clean.get(False) or []), off or {}
-    throughput_on, throughput_off = median_throughput(clean[True]), median_throughput(clean.get(False) or [])
+    runs_on, runs_off = clean[True], clean.get(False) or []
+    clean_on, clean_off, off_ = median_run(runs_on), median_run(runs_off), off or {}
+    throughput_on, throughput_off = median_throughput(runs_on), median_throughput(runs_off)
     return {
         "attack": attack.name, "shape": shape(attack, args),
         "loss_clean": clean_on.get("loss"), "loss_defended": on.get("loss"), "loss_undefended": off_.get("loss"),
-        "loss_clean_undefended": (clean_off or {}).get("loss"),
+        "loss_clean_undefended": clean_off.get("loss"),
         "loss_ratio_defended_vs_clean": _ratio(on.get("loss"), clean_on.get("loss")),
         "heldout_loss_initial": initial, "heldout_loss_clean": clean_on.get("heldout_loss"),
         "heldout_loss_defended": on.get("heldout_loss"), "heldout_loss_undefended": off_.get("heldout_loss"),
@@ -438,10 +439,10 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
         "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
-        "clean_heldout_losses": {"on": [r.get("heldout_loss") for r in clean[True]],
-                                 "off": [r.get("heldout_loss") for r in clean.get(False) or []]},
-        "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in clean[True]],
-                              "off": [r.get("throughput_samples_per_s") for r in clean.get(False) or []]},
+        "clean_heldout_losses": {"on": [r.get("heldout_loss") for r in runs_on],
+                                 "off": [r.get("heldout_loss") for r in runs_off]},
+        "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in runs_on],
+                              "off": [r.get("throughput_samples_per_s") for r in runs_off]},
         "undefended_diverged": _diverged(off, initial),
         "runs": {"defended": on, "undefended": off},
     }

@@ -98,7 +98,8 @@ def probe_due(level: int, home_count: int, estimated_size: float, since_probe_s:
     the size estimate makes that unlikely, or the estimate maps to a level no writer of that size uses."""
     if since_probe_s >= period_s:
         return True
-    if level > 0 and home_count == 0 and estimated_size / shard_count(level) > EMPTY_HOME_SURPRISE:  # (-1: not read yet)
+    surprising = estimated_size / shard_count(level) > EMPTY_HOME_SURPRISE
+    if level > 0 and home_count == 0 and surprising:  # (home_count -1: not read yet)
         return True
     return level_for(estimated_size) != level and write_levels(estimated_size).count(level) == 0
 
