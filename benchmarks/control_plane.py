@@ -3,17 +3,20 @@
 Live: N real hivemind ``DHTNode``s on loopback in this one process (each node still starts its own
 ``p2pd``: a daemon holds a single libp2p identity), each with its own RSA key and the run's
 validators (``RSASignatureValidator`` + the run schema), each acting as a stage peer does: it keeps a
-:class:`swarm.directory.Directory`, stores a full-size ``PeerRecord`` through it every announce
-period and ``--pollers`` of them (spread over the stages) also poll it (its own stage every poll, the other
-stages every announce period, probes every probe period) every poll period: a hivemind lookup costs
-its reader 0.1-0.5 s of CPU, so one process cannot poll for hundreds of nodes, and the traffic per poll
-is what one poller measures; the others probe their stage every probe period, so that they store at the
-levels a live peer of that stage would. Every node stores once before anyone reads. On 2 cores N nodes cannot keep the live periods, so all periods are
-stretched by ``max(1, N / --nodes_per_core_s)`` alike (the mix of reads, stores and probes stays that
-of a live peer), and bytes are measured *per operation*: every DHT RPC's request and reply,
-serialized (``P2P.call_protobuf_handler``, so libp2p's framing and encryption are left out), is
-charged to the store or poll that made it. Per-peer traffic at the live periods = 2 x (bytes per
-store / announce period + bytes per poll / poll period): each byte leaves one node and reaches another.
+:class:`swarm.directory.Directory` and stores a full-size ``PeerRecord`` through it every announce
+period. ``--pollers`` of them (spread over the stages) also poll it every poll period (their own
+stage every poll, the other stages every announce period, probes when due): a hivemind lookup costs
+its reader 0.1-0.5 s of CPU, so one process cannot poll for hundreds of nodes, and the traffic per
+poll is what one poller measures. The others probe their stage whenever a live peer's poll would
+(``--concurrent_probes`` at a time), so that they store at the levels a live peer of that stage
+would. Every node stores once before anyone reads. On 2 cores N nodes cannot keep the live periods,
+so all periods are stretched by ``max(1, N / --nodes_per_core_s)`` alike (the mix of reads, stores
+and probes stays that of a live peer), and bytes are measured *per operation*: every DHT RPC's
+request and reply, serialized (``P2P.call_protobuf_handler``, so libp2p's framing and encryption are
+left out), is charged to the store or poll that made it. Per-peer traffic at the live periods =
+2 x (bytes per store / announce period + bytes per poll / poll period): each byte leaves one node
+and reaches another. Each poller's view is reported as the share of the swarm's records it holds at
+the end (``view_share_min``, the smallest).
 
 Simulated: :mod:`swarm.simulate.dht_traffic`, its per-byte overhead calibrated on the live figures,
 at 1,000 and 10,000 peers; the largest message there is one shard's value.
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import contextvars
 import json
+import random
 import resource
 import statistics
 import sys
@@ -55,6 +59,7 @@ from swarm.simulate.dht_traffic import (  # noqa: E402
 )
 
 RUN_ID = "cp_bench"
+LOOKUP_TIMEOUT_S = 5.0  # a live peer's (Directory.read's and .store's default)
 _OPERATION: contextvars.ContextVar = contextvars.ContextVar("operation", default="other")
 _BYTES: Dict[str, int] = {}
 _LARGEST = {"message": 0}
@@ -111,26 +116,30 @@ class _NodeAsDHT:
 
 
 async def _participate(directory: Directory, identity: Identity, stage: int, stretch: float, args, stop: float,
-                       counts: Dict[str, int], latencies: List[float], polls: bool) -> None:
+                       counts: Dict[str, int], latencies: List[float], polls: bool,
+                       probe_turns: asyncio.Semaphore) -> None:
     """A stage peer's control plane, two loops as in a live peer: store every announce period, and (``polls``)
-    poll every poll period. A node that does not poll still probes its stage every probe period, as a live
+    poll every poll period. A node that does not poll still probes its stage when a probe is due, as a live
     peer's polls would: what it stores where depends on the size it estimates (those reads are charged to
     "probe", outside the figures: a poller's polls already count its probes)."""
     announce_s, poll_s = args.announce_period_s * stretch, args.read_period_s * stretch
+    timeout = LOOKUP_TIMEOUT_S * stretch  # a slower machine: the live timeout, stretched as the periods are
 
     async def announce() -> None:
         record = _record(identity, stage)
         _OPERATION.set("store")  # this task's own context
+        await asyncio.sleep(random.uniform(0, announce_s))  # peers that started at different times
         while time.monotonic() < stop:
-            await directory.store(record, expiration_s=6.0 * stretch, timeout=10.0)
+            await directory.store(record, expiration_s=6.0 * stretch, timeout=timeout)
             counts["store"] += 1
             await asyncio.sleep(announce_s)
 
     async def poll() -> None:
         _OPERATION.set("poll")
+        await asyncio.sleep(random.uniform(0, poll_s))
         while time.monotonic() < stop:
             started = time.perf_counter()
-            succeeded = await directory.read(directory.stages_due(stage, announce_s), timeout=10.0)
+            succeeded = await directory.read(directory.stages_due(stage, announce_s), timeout=timeout)
             latencies.append(1000 * (time.perf_counter() - started))
             counts["poll"] += 1
             counts["failed"] += not succeeded
@@ -138,11 +147,25 @@ async def _participate(directory: Directory, identity: Identity, stage: int, str
 
     async def probe() -> None:
         _OPERATION.set("probe")
+        await asyncio.sleep(random.uniform(0, poll_s))
         while time.monotonic() < stop:
-            await directory.read([stage], timeout=10.0)
-            await asyncio.sleep(directory.probe_period_s)
+            if directory.probe_is_due(stage):
+                async with probe_turns:  # live peers probe on their own cores; here the nodes take turns
+                    await directory.read([stage], timeout=timeout)
+            await asyncio.sleep(poll_s)
 
     await asyncio.gather(asyncio.create_task(announce()), asyncio.create_task(poll() if polls else probe()))
+
+
+def _spread_pollers(num_peers: int, num_stages: int, count: int) -> set:
+    """Indices of ``count`` nodes spread evenly over the swarm and over its stages (node ``i`` serves stage
+    ``i % num_stages``): the first of every ``num_peers / count`` nodes, moved onto the next stage in turn."""
+    step = max(1, num_peers // max(count, 1))
+    chosen = set()
+    for k, start in enumerate(range(0, num_peers, step)):
+        index = start + (k - start) % num_stages  # the node of stage k % num_stages at or after start
+        chosen.add(min(index, num_peers - 1))
+    return chosen
 
 
 async def live(num_peers: int, num_stages: int, args) -> dict:
@@ -163,18 +186,21 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
                        for node, (identity, _, _) in zip(nodes, participants)]
         warm_counts, measured_counts = {"store": 0, "poll": 0, "failed": 0}, {"store": 0, "poll": 0, "failed": 0}
         # every record stored once before anyone reads: first probes see the stage, not an empty one
-        await asyncio.gather(*(d.store(_record(i, s), expiration_s=6.0 * stretch, timeout=10.0)
+        await asyncio.gather(*(d.store(_record(i, s), expiration_s=6.0 * stretch,
+                                       timeout=LOOKUP_TIMEOUT_S * stretch)
                                for d, (i, _, s) in zip(directories, participants)))
         warm_stop = time.monotonic() + args.warmup_s * stretch
-        pollers = set(range(0, num_peers, max(1, num_peers // args.pollers)))  # spread over the stages
-        await asyncio.gather(*(_participate(d, i, s, stretch, args, warm_stop, warm_counts, [], k in pollers)
+        pollers = _spread_pollers(num_peers, num_stages, args.pollers)
+        probe_turns = asyncio.Semaphore(args.concurrent_probes)
+        await asyncio.gather(*(_participate(d, i, s, stretch, args, warm_stop, warm_counts, [], k in pollers, probe_turns)
                                for k, (d, (i, _, s)) in enumerate(zip(directories, participants))))
         _BYTES.clear()
         _LARGEST["message"] = 0
         latencies: List[float] = []
         started = time.monotonic()
         stop = started + args.measure_s * stretch
-        await asyncio.gather(*(_participate(d, i, s, stretch, args, stop, measured_counts, latencies, k in pollers)
+        await asyncio.gather(*(_participate(d, i, s, stretch, args, stop, measured_counts, latencies, k in pollers,
+                                                probe_turns)
                                for k, (d, (i, _, s)) in enumerate(zip(directories, participants))))
         elapsed = time.monotonic() - started
         per_store = _BYTES.get("store", 0) / max(measured_counts["store"], 1)
@@ -183,11 +209,13 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
         levels = [d.levels() for d in directories]
         record_bytes = max(stored_record_bytes(i, v, s) for i, v, s in participants)
         seen = statistics.mean(len(directories[k].records()) for k in pollers)
+        # how much of the swarm each poller's view holds: every node of the run stored a record
+        view_share = [len(directories[k].records()) / num_peers for k in sorted(pollers)]
         return {"peers": num_peers, "dht_bytes_per_s_per_peer": round(nominal, 1), "max_record_bytes": record_bytes,
                 "lookup_ms_p50": round(statistics.median(latencies), 2), "max_message_bytes": _LARGEST["message"],
                 "bytes_per_store": round(per_store), "bytes_per_poll": round(per_poll),
                 "levels": sorted({level for row in levels for level in row}),
-                "records_seen_per_peer": round(seen, 1), "stretch": stretch, "failed_polls": measured_counts["failed"],
+                "records_seen_per_peer": round(seen, 1), "view_share_min": round(min(view_share), 3), "stretch": stretch, "failed_polls": measured_counts["failed"],
                 "polls": measured_counts["poll"],
                 "pollers": len(pollers), "polls_per_s_per_poller": round(measured_counts["poll"] / elapsed / len(pollers), 3),
                 "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "source": "live"}
@@ -209,6 +237,10 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--pollers", type=int, default=8,
                         help="nodes that also poll (every node stores): a lookup costs the reader's CPU ~0.1-0.5 s "
                              "in hivemind, so one process cannot poll for hundreds of nodes")
+    parser.add_argument("--concurrent_probes", type=int, default=2,
+                        help="probes the nodes that do not poll run at once (a probe of every level is the heaviest "
+                             "lookup; dozens at once in one process time out, and a node that cannot probe stores "
+                             "its record only where readers of a large stage do not look)")
     parser.add_argument("--model_peers", default="1000,10000", help="comma list of modelled swarm sizes")
     args = parser.parse_args(argv)
     _count_rpc_bytes()
@@ -219,7 +251,7 @@ def main(argv: List[str]) -> int:
               f"a store, {row['bytes_per_poll']} B a poll), directory levels {row['levels']}, record "
               f"{row['max_record_bytes']} B, largest message {row['max_message_bytes']} B, lookup p50 "
               f"{row['lookup_ms_p50']} ms with periods x{row['stretch']:g}, {row['records_seen_per_peer']} records "
-              f"seen per poller ({row['pollers']} pollers), {row['failed_polls']} of {row['polls']} polls failed, max RSS {row['max_rss_mib']} MiB", flush=True)
+              f"seen per poller ({row['pollers']} pollers, the least {100 * row['view_share_min']:.0f}% of the swarm), {row['failed_polls']} of {row['polls']} polls failed, max RSS {row['max_rss_mib']} MiB", flush=True)
         rows.append(row)
     record_bytes = max(r["max_record_bytes"] for r in rows)
     model = calibrate(TrafficModel(record_bytes=record_bytes, num_stages=args.stages,

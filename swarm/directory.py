@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time, get_logger
 from swarm.dht import get_many_in_dht, identity_of
 from swarm.dht_io import parse_value, store_record, warn_once
 from swarm.policy.directory import (
-    MAX_LEVEL, level_for, probe_due, probe_estimate, shard_of, shards_to_read, write_levels,
+    level_for, probe_due, probe_estimate, probe_levels, shard_of, shards_to_read, write_levels,
 )
 from swarm.reach import address_book
 from swarm.records import PeerRecord, shard_key
@@ -31,12 +31,17 @@ from swarm.records import PeerRecord, shard_key
 __all__ = ["Directory", "fetch_stage_records"]
 
 logger = get_logger(__name__)
-PROBE_PERIOD_S = 10.0  # seconds between probes of every level of a stage
-# random chains of shards (one per level) a probe reads; the first probe of a stage reads more. A chain finds
-# about a shard's worth of records at the levels written, so chains x SHARD_CAPACITY records make an estimate
+PROBE_PERIOD_S = 10.0  # seconds between probes of a stage's levels
+# random chains of shards (one per level probed: policy.directory.probe_levels) a probe reads; the first probe of a
+# stage reads more. A chain finds about a shard's worth of records at the levels written, so chains x SHARD_CAPACITY
+# records make an estimate
 PROBE_CHAINS = 4
 FIRST_PROBE_CHAINS = 8
 PROBE_WEIGHT = 0.3  # weight of the newest probe in the stage's size estimate (the rest: earlier probes)
+# a probe that failed is tried again after this share of the probe period, doubling with each failure in a row up
+# to the whole period: not at once (lookups are failing, and a probe is the heaviest read), not only a period later
+# (until a probe succeeds, the reader stores at level 0 only, where readers of a sharded stage do not look)
+PROBE_RETRY_SHARE = 0.25
 
 
 @dataclass
@@ -44,7 +49,9 @@ class _Stage:
     """What a reader knows of one stage's directory."""
 
     level: int = 0
-    probed_at: float = float("-inf")  # monotonic time of the last probe; -inf: never probed
+    probed_at: float = float("-inf")  # monotonic time of the last probe (or of the retry's time base after a failure)
+    probes: int = 0  # probes that succeeded
+    probe_failures: int = 0  # probes that failed since the last that succeeded
     read_at: float = float("-inf")  # monotonic time of the last read
     cursor: int = 0  # next shard of the round robin
     estimate: float = 0.0  # the stage's size, as the last probe estimated it
@@ -84,14 +91,14 @@ class Directory:
     def _plan(self, stage: int, now: float) -> Tuple[List[List[str]], Dict[str, Tuple[int, int]]]:
         """The probe chains (empty: no probe) and the keys, key -> (level, shard), of one stage's next read."""
         known = self.stages[stage]
-        if probe_due(known.level, known.home_count, self.size(stage), now - known.probed_at, self.probe_period_s):
+        if self.probe_is_due(stage, now):
             # chains through random points: the reader's own shards would give every probe the same sample
             chains: List[List[str]] = []
             keyed: Dict[str, Tuple[int, int]] = {}
-            for _ in range(FIRST_PROBE_CHAINS if known.probed_at == float("-inf") else PROBE_CHAINS):
+            for _ in range(FIRST_PROBE_CHAINS if known.probes == 0 else PROBE_CHAINS):
                 point = secrets.token_hex(8)
                 chain = [(shard_key(self.run_id, stage, level, shard_of(point, level)), level, shard_of(point, level))
-                         for level in range(MAX_LEVEL + 1)]
+                         for level in probe_levels(known.level, known.probes)]
                 chains.append([key for key, _, _ in chain])
                 keyed.update({key: (level, shard) for key, level, shard in chain})
             return chains, keyed
@@ -107,8 +114,11 @@ class Directory:
         except (asyncio.TimeoutError, Exception) as e:
             logger.warning(f"DHT lookup of {self.run_id!r} stages failed: {type(e).__name__}: {e}")
             for stage, (chains, _) in plans.items():
-                if chains:  # no probe again at once: a probe is the heaviest read, and lookups are failing
-                    self.stages[stage].probed_at = now
+                if chains:  # the next probe after PROBE_RETRY_SHARE of the period, doubling with each failure
+                    known = self.stages[stage]
+                    known.probe_failures += 1
+                    wait = min(1.0, PROBE_RETRY_SHARE * 2 ** (known.probe_failures - 1)) * self.probe_period_s
+                    known.probed_at = now - self.probe_period_s + wait
             if strict:
                 raise LookupError(f"DHT lookup of {self.run_id!r} stages failed") from e
             return False
@@ -122,13 +132,14 @@ class Directory:
         if chains:
             estimate = sum(self._chain_estimate([parsed[key] for key in chain]) for chain in chains) / len(chains)
             # a probe sees about one shard's worth of records: smoothed, so that readers' levels agree
-            first = known.probed_at == float("-inf")
-            known.estimate = estimate if first else (1 - PROBE_WEIGHT) * known.estimate + PROBE_WEIGHT * estimate
+            if known.probes:
+                estimate = (1 - PROBE_WEIGHT) * known.estimate + PROBE_WEIGHT * estimate
+            known.estimate = estimate
             level = level_for(known.estimate)
             if level != known.level:
                 logger.debug(f"stage {stage}: directory level {known.level} -> {level} (~{known.estimate:.0f} records)")
                 known.level, known.cursor, known.home_count = level, 0, -1
-            known.probed_at = now
+            known.probed_at, known.probes, known.probe_failures = now, known.probes + 1, 0
         read_shards = {shard for level, shard, _ in parsed.values() if level == known.level}
         # a record of a shard read just now that the shard no longer holds has gone (withdrawn or moved)
         known.records = {peer_id: entry for peer_id, entry in known.records.items()
@@ -173,6 +184,12 @@ class Directory:
         probe's estimate."""
         known = self.stages[stage]
         return float(len(known.records)) if known.level == 0 else known.estimate
+
+    def probe_is_due(self, stage: int, now: Optional[float] = None) -> bool:
+        """Whether the next read of ``stage`` probes its levels (``now``: monotonic time, default the clock's)."""
+        known = self.stages[stage]
+        now = time.monotonic() if now is None else now
+        return probe_due(known.level, known.home_count, self.size(stage), now - known.probed_at, self.probe_period_s)
 
     def stages_due(self, focus: Optional[int], others_period_s: float) -> List[int]:
         """What a poll reads: the ``focus`` stage (a stage peer's own: its steps are coordinated from it) on every

@@ -21,8 +21,8 @@ from swarm import PROTOCOL_VERSION
 from swarm.directory import Directory
 from swarm.identity import load_or_create_identity
 from swarm.policy.directory import (
-    MAX_LEVEL, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, level_for, shard_count, shard_of,
-    shards_to_read, write_levels,
+    MAX_LEVEL, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, probe_levels, level_for, shard_count,
+    shard_of, shards_to_read, write_levels,
 )
 from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
 from swarm.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, shard_key, stage_key
@@ -88,10 +88,10 @@ def test_an_empty_home_shard_triggers_a_probe_only_where_emptiness_is_unlikely()
     assert probe_due(level, home_count=2, estimated_size=300, since_probe_s=1.0, period_s=10.0)  # another level's size
 
 
-def _lowest(layout_map: Dict[tuple, set], home: str) -> List[int]:
-    """What a probe by ``home`` finds: the lowest level of every record in its own shards."""
+def _lowest(layout_map: Dict[tuple, set], home: str, levels=range(MAX_LEVEL + 1)) -> List[int]:
+    """What a probe of ``levels`` by ``home`` finds: the lowest level of every record in its own shards."""
     lowest: Dict[str, int] = {}
-    for level in range(MAX_LEVEL + 1):
+    for level in levels:
         for peer_id in layout_map.get((level, shard_of(home, level)), ()):
             lowest[peer_id] = min(level, lowest.get(peer_id, level))
     return list(lowest.values())
@@ -115,6 +115,22 @@ def test_a_probe_finds_the_level_the_writers_use(size):
     # at most a few times the capacity: shards of a few records vary by a few records
     assert max(len(v) for (lvl, _), v in layout_map.items() if lvl == level) <= 4 * SHARD_CAPACITY
     assert probe_estimate([]) == 0.0
+    # the probes between full ones read the levels next to the reader's, and still land on a level written
+    window = probe_levels(level, probes_done=1)
+    assert len(window) <= 2 * layout.PROBE_REACH + 1
+    estimates = [probe_estimate(_lowest(layout_map, f"window{i}", window)) for i in range(200)]
+    assert abs(sum(estimates) / len(estimates) - size) < 0.15 * size  # without bias, to the spread of writers
+    chains = directory_module.PROBE_CHAINS
+    assert all(level_for(sum(estimates[i:i + chains]) / chains) in range(level - 1, level + 2)
+               for i in range(0, 200, chains))
+
+
+def test_probes_read_the_levels_next_to_the_readers_and_every_level_now_and_then():
+    assert probe_levels(5, probes_done=0) == range(MAX_LEVEL + 1)  # the first probe
+    assert probe_levels(5, probes_done=1) == range(5 - layout.PROBE_REACH, 5 + layout.PROBE_REACH + 1)
+    assert probe_levels(0, probes_done=1)[0] == 0 and probe_levels(MAX_LEVEL, probes_done=1)[-1] == MAX_LEVEL
+    assert probe_levels(5, probes_done=layout.FULL_PROBE_EVERY) == range(MAX_LEVEL + 1)
+    assert 2 * layout.PROBE_REACH + 1 < layout.mean_probe_levels(5) < MAX_LEVEL + 1
 
 
 # ---- the largest record ----
@@ -260,3 +276,41 @@ def test_a_failed_read_keeps_the_view_or_raises_when_strict(identities, monkeypa
 
     asyncio.run(go())
     assert math.isfinite(reader.size(0))
+
+
+def test_a_failed_probe_is_retried_within_a_share_of_the_period_and_counts_as_the_first(identities, monkeypatch):
+    """Until its first probe succeeds a reader stores at level 0 only, where readers of a sharded stage do not
+    look: so a failed probe is tried again after ``PROBE_RETRY_SHARE`` of the period, and the probe that then
+    succeeds sets the estimate whole (it is not averaged with the estimate of a probe that never happened)."""
+    monkeypatch.setattr(layout, "SHARD_CAPACITY", 10)
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(dht_io, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(directory_module, "time", SimpleNamespace(monotonic=lambda: _Clock.now))
+    table, reads = {}, []
+    level = level_for(len(identities))  # 40 replicas: level 2, 4 shards of 10
+
+    async def go():
+        for identity in identities:
+            writer = Directory(_MemoryDHT(table, identity, reads), "run", 1, home=identity.peer_id)
+            writer.stages[0].level, writer.stages[0].estimate = level, float(len(identities))
+            assert await writer.store(_record(identity, 0), expiration_s=600.0)
+        newcomer = load_or_create_identity(None)
+        dht = _MemoryDHT(table, newcomer, reads)
+        reader = Directory(dht, "run", 1, home=newcomer.peer_id, probe_period_s=10.0)
+        working = dht.run_coroutine
+
+        def broken(fn, return_future):
+            raise ConnectionError("lookup timed out")
+        dht.run_coroutine = broken
+        share = directory_module.PROBE_RETRY_SHARE
+        for failures in (1, 2):  # the wait doubles with each failure in a row
+            assert reader.probe_is_due(0) and not await reader.read()
+            _Clock.now += 0.9 * share * 2 ** (failures - 1) * 10.0
+            assert not reader.probe_is_due(0)
+            _Clock.now += 0.2 * share * 2 ** (failures - 1) * 10.0
+        dht.run_coroutine = working
+        assert reader.probe_is_due(0)
+        assert await reader.read()
+        assert reader.levels()[0] in write_levels(len(identities)) and reader.size(0) > 20, reader.size(0)
+
+    asyncio.run(go())

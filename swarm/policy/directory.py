@@ -10,11 +10,12 @@ stays one key, exactly the single stage key of an unsharded layout.
 Writers and readers need not agree on the size exactly: a writer stores its record at every level
 that a size within ``WRITE_BAND`` of its own estimate maps to (at most two), so a reader whose
 estimate differs by less than that still finds it. Every reader estimates the size alike, by a
-*probe*: it reads its own shard at every level and weights what it finds by the chance of finding
-it (``probe_estimate``, without bias whichever levels the writers chose); it then reads the level
-of that size. Between probes it reads its own shard and ``rotate`` more shards per poll, round
-robin (``shards_to_read``), so what one read moves is bounded by the shard size whatever the
-swarm's size; a reader of a stage of ``2**b`` shards sees all of it within ``2**b / rotate`` polls.
+*probe*: it reads a shard at every level (at the levels next to its own between full probes,
+``probe_levels``) and weights what it finds by the chance of finding it (``probe_estimate``, without
+bias whichever levels the writers chose); it then reads the level of that size. Between probes it
+reads its own shard and ``rotate`` more shards per poll, round robin (``shards_to_read``), so what
+one read moves is bounded by the shard size whatever the swarm's size; a reader of a stage of
+``2**b`` shards sees all of it within ``2**b / rotate`` polls.
 
 Pure functions, so that the traffic model (:mod:`swarm.simulate.dht_traffic`) and tests use the
 same layout as the live readers (:mod:`swarm.directory`).
@@ -27,7 +28,7 @@ import math
 from typing import Iterable, List, Tuple
 
 __all__ = ["SHARD_CAPACITY", "MAX_LEVEL", "WRITE_BAND", "level_for", "write_levels", "shard_of", "shard_count",
-           "probe_estimate", "shards_to_read", "probe_due", "coverage_polls"]
+           "probe_estimate", "probe_levels", "mean_probe_levels", "shards_to_read", "probe_due", "coverage_polls"]
 
 # records a shard holds at most when the level matches the stage's size: what one read of a stage moves
 # is about (1 + rotate) shards, so a small capacity keeps a poll's bytes flat from stages of a few replicas up
@@ -37,6 +38,11 @@ MAX_LEVEL = 10  # at most 1,024 shards a stage (4,096 replicas at capacity; past
 # records in a shard: an empty shard is then unlikely by chance (below e**-3), so the writers likely moved
 EMPTY_HOME_SURPRISE = 3.0
 WRITE_BAND = 1.4  # a writer covers sizes within this factor of its estimate (< 2: at most two levels)
+# a probe reads the levels within PROBE_REACH of the reader's own, and every level on the first probe and on every
+# FULL_PROBE_EVERY-th: each level is one more key whose lookup walks a beam of nodes, and the levels far from the
+# stage's size hold nothing
+PROBE_REACH = 1
+FULL_PROBE_EVERY = 4
 _HASH_BITS = 64
 
 
@@ -75,6 +81,23 @@ def probe_estimate(found_at: Iterable[int]) -> float:
     so its lowest level found is its lowest level written, and weighting each record by ``2**level`` (the
     inverse of its chance to be found) estimates the size without bias, whatever level each writer chose."""
     return float(sum(shard_count(level) for level in found_at))
+
+
+def probe_levels(level: int, probes_done: int) -> range:
+    """The levels a probe reads, given the reader's level and its probes so far.
+
+    ``probe_estimate`` stays without bias over a window of levels for every record written at a level inside
+    it: a record's lowest written level in the window is where it is found, with the chance its weight undoes.
+    Writers whose estimate is so far from the reader's that none of their levels is in the window (a stage
+    that grew or shrank several-fold since the last probe) are missed until the next full probe."""
+    if probes_done % FULL_PROBE_EVERY == 0:
+        return range(MAX_LEVEL + 1)
+    return range(max(0, level - PROBE_REACH), min(MAX_LEVEL, level + PROBE_REACH) + 1)
+
+
+def mean_probe_levels(level: int) -> float:
+    """Levels a probe reads on average over a reader's probes."""
+    return sum(len(probe_levels(level, done)) for done in range(FULL_PROBE_EVERY)) / FULL_PROBE_EVERY
 
 
 def shards_to_read(level: int, home: int, cursor: int, rotate: int) -> Tuple[List[int], int]:

@@ -8,8 +8,9 @@ stage's records are split into ``2**level`` shards of about ``SHARD_CAPACITY`` r
 - reads its own stage every ``read_period_s`` (its own shard and ``rotate`` more), and every other stage
   every ``announce_period_s`` (the same number of shards): one lookup per shard, ``log2(N)`` small hops,
   and the shard's records from one holder;
-- probes every stage every ``probe_period_s``: ``chains`` chains of one shard per level, of which the
-  levels written hold records (about a shard's worth per level written).
+- probes every stage every ``probe_period_s``: ``chains`` chains of one shard per level probed (every level
+  on one probe in ``FULL_PROBE_EVERY``, those next to the stage's own on the others), of which the levels
+  written hold records (about a shard's worth per level written).
 
 Per-peer traffic is then ``O(log N)`` (the hops), and the largest message is one shard. ``calibrate``
 fits a per-byte overhead to live measurements.
@@ -22,7 +23,7 @@ import math
 from dataclasses import dataclass
 from typing import Dict, Sequence
 
-from swarm.policy.directory import MAX_LEVEL, level_for, shard_count, write_levels
+from swarm.policy.directory import level_for, mean_probe_levels, shard_count, write_levels
 
 __all__ = ["TrafficModel", "shard_value_bytes", "per_peer_bytes_per_s", "calibrate", "MESSAGE_CAP_BYTES"]
 
@@ -72,7 +73,7 @@ def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float
     one_stage = shards_read * (lookup + shard_records * model.record_bytes * model.overhead)
     reads_per_s = 1 / model.read_period_s + (model.num_stages - 1) / model.announce_period_s
     written = len(write_levels(size))
-    probe = model.chains * ((MAX_LEVEL + 1) * lookup + written * shard_records * model.record_bytes * model.overhead)
+    probe = model.chains * (mean_probe_levels(level) * lookup + written * shard_records * model.record_bytes * model.overhead)
     # what others send to this peer while it serves their lookups and stores is, on average, as much again
     rates = {"store": 2 * store / model.announce_period_s, "read": 2 * one_stage * reads_per_s,
              "probe": 2 * probe * model.num_stages / model.probe_period_s}
