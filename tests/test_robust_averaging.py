@@ -13,6 +13,7 @@ from swarm.config import NetworkConfig
 from swarm.dht import start_dht
 from swarm.policy.aggregation import AggregationConfig
 from swarm.server.averaging import RoundResult, StageAverager
+from swarm.server.faults import GradientFault
 
 SHAPES = [torch.zeros(64, 8), torch.zeros(32)]
 SAMPLES = 16
@@ -77,6 +78,22 @@ def group_factory():
     finally:
         for group in groups:
             group.close()
+
+
+def test_a_weight_liar_that_computed_nothing_attacks_with_its_last_gradient():
+    """A step with no samples leaves a replica's gradient at zero; the emulated x1000 attackers send their last
+    gradient instead (x1000 of zero would be no attack at all), and still claim the whole step's weight."""
+    gradient, nothing = [torch.ones(3), torch.full((2,), 2.0)], [torch.zeros(3), torch.zeros(2)]
+    flipper = GradientFault("sign_flip_gradients")
+    assert all(torch.equal(a, -1000.0 * g) for a, g in zip(flipper.corrupt(gradient), gradient))
+    assert all(torch.equal(a, -1000.0 * g) for a, g in zip(flipper.corrupt(nothing), gradient))
+    assert flipper.claimed_samples(0, 256) == 256.0
+    randomiser = GradientFault("random_gradients")
+    randomiser.corrupt(gradient)
+    norm = float(torch.sqrt(sum(a.pow(2).sum() for a in randomiser.corrupt(nothing))))
+    assert norm == pytest.approx(1000.0 * float(torch.sqrt(sum(g.pow(2).sum() for g in gradient))), rel=1e-5)
+    assert all(not a.any() for a in GradientFault("none").corrupt(nothing))  # an honest replica sends its zeros
+    assert all(not a.any() for a in GradientFault("sign_flip_gradients").corrupt(nothing))  # nothing to repeat yet
 
 
 async def test_a_nan_replica_is_dropped_and_banned_and_the_others_agree(group_factory):

@@ -67,7 +67,9 @@ class GradientFault:
 
     The two x1000 attacks also lie about their weight: they claim the whole step's samples
     (:meth:`claimed_samples`), the most a self-reported weight can say, so that without the defences'
-    bounded weights their vector dominates the stage's mean even while trainers send them little work."""
+    bounded weights their vector dominates the stage's mean even while trainers send them little work. A step in
+    which they computed nothing (trainers sent them no work: their gradient is zero) does not stop them: they attack
+    with the last gradient they had, as an attacker that owes nobody a computation would."""
 
     WEIGHT_LIARS = ("sign_flip_gradients", "random_gradients")
 
@@ -79,6 +81,7 @@ class GradientFault:
         self.generator = torch.Generator().manual_seed(seed)
         self._mean: Optional[List[torch.Tensor]] = None
         self._square: Optional[List[torch.Tensor]] = None
+        self._last: Optional[List[torch.Tensor]] = None  # the weight liars' last non-zero gradient
 
     def claimed_samples(self, samples: float, step_samples: Optional[float]) -> float:
         """The sample count this replica reports for its contribution: its true ``samples``, or for the
@@ -88,6 +91,11 @@ class GradientFault:
         return float(samples)
 
     def corrupt(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
+        if self.fault in self.WEIGHT_LIARS:
+            if any(bool(g.any()) for g in grads):
+                self._last = [g.clone() for g in grads]
+            elif self._last is not None:
+                grads = [g.clone() for g in self._last]
         if self.fault == "sign_flip_gradients":
             return [-self.SCALE * g for g in grads]
         if self.fault == "nan_gradients":
