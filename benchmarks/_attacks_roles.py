@@ -48,8 +48,8 @@ class Attack:
 
 
 ATTACKS: Dict[str, Attack] = {a.name: a for a in (
-    Attack("sign_flip_x1000", 0, fault="sign_flip_gradients"),
-    Attack("random_direction_x1000", 0, fault="random_gradients"),
+    Attack("sign_flip_x1000", 1, fault="sign_flip_gradients"),
+    Attack("random_direction_x1000", 1, fault="random_gradients"),
     Attack("nan_gradients", 0, fault="nan_gradients"),
     Attack("little_is_enough", 0, fault="little_is_enough"),
     Attack("noisy_activations", 0, fault="noisy_outputs"),

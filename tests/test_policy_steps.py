@@ -7,6 +7,7 @@ from dataclasses import replace
 from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
     must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
+    unborne_step_claims,
 )
 
 TARGET = 100
@@ -160,3 +161,16 @@ def test_a_failure_an_honest_replica_can_cause_costs_less_distrust_than_a_proven
     # each failure in a row doubles the time, up to the liar's
     assert [distrust_seconds(n, limit=100.0, first=10.0) for n in (1, 2, 3, 4, 5)] == [10.0, 20.0, 40.0, 80.0, 100.0]
     assert distrust_seconds(50) == DISTRUST_S
+
+
+def test_a_download_that_falls_short_proves_only_its_own_source_wrong():
+    """Replicas announced steps 5 and 6; the state this replica adopted is at step 5. Served by the step-6
+    claimant itself, that claim was a lie; served by another replica (or by hivemind's downloader, which does
+    not say whom), the step-6 replica may well hold step 6: a failure, not a lie."""
+    ahead = {"A": 5, "C": 6, "D": 6}
+    assert unborne_step_claims(ahead, reached=5, delivered=True, source="C") == ({"C"}, {"D"})
+    assert unborne_step_claims(ahead, reached=5, delivered=True, source="A") == (set(), {"C", "D"})
+    assert unborne_step_claims(ahead, reached=5, delivered=True, source=None) == (set(), {"C", "D"})
+    assert unborne_step_claims(ahead, reached=6, delivered=True, source="C") == (set(), set())  # borne out
+    # nothing delivered: every claim ahead is unconfirmed, whoever was asked
+    assert unborne_step_claims(ahead, reached=4, delivered=False, source="C") == (set(), {"A", "C", "D"})

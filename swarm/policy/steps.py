@@ -7,7 +7,8 @@ accumulated gradients, averages them with the other replicas and applies the ave
 
 What the other replicas announce is a claim, not a fact: a record can be stale, wrong or a lie. So
 - a replica claiming a higher step is believed only until a state download fails to deliver it
-  (the caller then lists it in ``distrusted``, and it is ignored);
+  (the caller then lists it in ``distrusted``, and it is ignored; for long only if the state it served
+  itself fell short of its claim, :func:`unborne_step_claims`);
 - a replica's claimed pending samples count at most what the stage could plausibly hold for it, and
   a replica whose claim was not borne out by the step's all-reduce (:func:`overclaimers`) is
   distrusted for a while, one that stayed out of it (:func:`absent_claimants`) briefly;
@@ -31,7 +32,7 @@ __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
     "overclaimers", "absent_claimants", "clock_step", "stage_mates", "min_group_size", "majority_group",
-    "confirmed_below", "distrust_seconds",
+    "confirmed_below", "distrust_seconds", "unborne_step_claims",
     "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
 ]
 
@@ -246,6 +247,22 @@ def absent_claimants(claims: Mapping[str, int], gathered: Mapping[str, int]) -> 
     lie (:func:`distrust_seconds` with strikes): one that keeps claiming and staying away is soon
     ignored as long as a liar."""
     return {peer_id for peer_id, claimed in claims.items() if claimed > 0 and peer_id not in gathered}
+
+
+def unborne_step_claims(ahead: Mapping[str, int], reached: int, delivered: bool,
+                        source: Optional[str]) -> Tuple[Set[str], Set[str]]:
+    """After a state download meant to catch up with the replicas that announced a later step (``ahead``: peer
+    id -> announced step), whose announcements it did not bear out (``reached``: the step this replica holds
+    now), as ``(proven, unconfirmed)``.
+
+    Only the replica that served the state (``source``, when known) can be proven wrong by it: it announced a
+    step above the state it holds. The others may hold what they announce while the source lagged behind
+    them, or the download failed: an honest replica's state can look the same, so theirs is a failure, with
+    its short, escalating distrust. Treating them as liars would let one lagging source make a replica ignore
+    most of its stage for minutes, and pair off with the rest into a lineage of its own."""
+    unborne = {peer_id for peer_id, step in ahead.items() if step > reached}
+    proven = unborne & {source} if delivered and source is not None else set()
+    return proven, unborne - proven
 
 
 def distrust_seconds(strikes: Optional[int], limit: float = DISTRUST_S, first: float = FIRST_STRIKE_S) -> float:

@@ -41,6 +41,7 @@ class Joining:
         self.peer = peer
         self._refused: Dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
         self._rng = rng or random.Random()  # orders the sources, so that joiners spread their load
+        self.last_source: Optional[str] = None  # peer id of the replica whose state was adopted last, when known
 
     async def choose_stage(self) -> int:
         peer = self.peer
@@ -132,14 +133,18 @@ class Joining:
             await asyncio.sleep(1.0)
         return False
 
-    async def _adopt(self, metadata: Dict[str, Any], tensors: Sequence[torch.Tensor], source: str) -> None:
-        """Load a downloaded state (ValueError if it does not fit the stage; nothing changes then)."""
+    async def _adopt(self, metadata: Dict[str, Any], tensors: Sequence[torch.Tensor], source: str,
+                     source_id: Optional[str] = None) -> None:
+        """Load a downloaded state (ValueError if it does not fit the stage; nothing changes then); ``source_id``:
+        the peer id of the replica that served it, when known (it is then :attr:`last_source`)."""
         peer, runner = self.peer, self.peer.runner
+        self.last_source = None
         first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
         dropped_from = min(peer.steps.tentative, default=None) if peer.steps is not None else None
         await peer.compute(runner.load_state, metadata, tensors, dropped_from)
         if peer.steps is not None:
             peer.steps.adopted(first_dropped, runner.step)
+        self.last_source = source_id
         logger.info(f"stage {peer.stage}: downloaded state at step {runner.step} from {source}")
 
     # ---- with defences: the majority's state, verified ----
@@ -179,7 +184,7 @@ class Joining:
             verdict = await peer.compute(self._judge, sources, metadata, tensors)
             if verdict.accept:
                 try:
-                    await self._adopt(metadata, tensors, source=source)
+                    await self._adopt(metadata, tensors, source=source, source_id=source)
                     return True
                 except ValueError as e:
                     verdict = StateVerdict(False, reason=str(e))

@@ -20,7 +20,7 @@ from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
     min_group_size, must_wait, near_target, needs_resync, overclaimers, stage_mates, step_alone, step_is_due,
-    trusted_others,
+    trusted_others, unborne_step_claims,
 )
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
@@ -168,18 +168,20 @@ class StepCoordinator:
         ahead = [c for c in view.others if c.step > view.step]
         logger.info(f"stage {peer.stage}: out of sync with the other replicas at step {view.step}; downloading their state")
         delivered = await peer.joining.download_state(max_attempts=RESYNC_ATTEMPTS)
-        # a claim that no download could bear out is ignored for a while (then believed again, if still made)
-        false_states = [c.peer_id for c in ahead if c.step > peer.runner.step]
-        # a download that failed proves little (the source may be slow, or stepped since it announced):
-        # its claims are ignored briefly, and longer with each failure in a row
-        self.distrust(false_states, f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
-                                    f"{'reached only step ' + str(peer.runner.step) if delivered else 'failed'}",
-                      transient=not delivered)
-        for peer_id in false_states:
+        # a claim that no download could bear out is ignored for a while (then believed again, if still made):
+        # for long only where the claimant itself served a state behind its claim
+        proven, unconfirmed = unborne_step_claims({c.peer_id: c.step for c in ahead}, peer.runner.step, delivered,
+                                                  peer.joining.last_source if delivered else None)
+        outcome = f"reached only step {peer.runner.step}" if delivered else "failed"
+        self.distrust(proven, f"announced step {max((c.step for c in ahead), default=0)}, but the state it served "
+                              f"{outcome}")
+        self.distrust(unconfirmed, f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
+                                   f"{outcome}", transient=True)
+        for peer_id in proven | unconfirmed:
             self._state_distrusted[peer_id] = self._distrusted[peer_id]
         self._failed_rounds = 0
         if delivered:
-            self._delivered(c.peer_id for c in ahead if c.peer_id not in false_states)
+            self._delivered(c.peer_id for c in ahead if c.peer_id not in proven | unconfirmed)
             self.history.clear()  # a state of the stage's lineage replaced ours
 
     async def _global_step(self, view: StageView) -> None:
