@@ -252,8 +252,8 @@ def absent_claimants(claims: Mapping[str, int], gathered: Mapping[str, int]) -> 
 def unborne_step_claims(ahead: Mapping[str, int], reached: int, delivered: bool,
                         source: Optional[str]) -> Tuple[Set[str], Set[str]]:
     """After a state download meant to catch up with the replicas that announced a later step (``ahead``: peer
-    id -> announced step), whose announcements it did not bear out (``reached``: the step this replica holds
-    now), as ``(proven, unconfirmed)``.
+    id -> announced step), those whose step it did not bear out (above ``reached``, the step this replica
+    holds now), as ``(proven, unconfirmed)``.
 
     Only the replica that served the state (``source``, when known) can be proven wrong by it: it announced a
     step above the state it holds. The others may hold what they announce while the source lagged behind

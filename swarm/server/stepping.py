@@ -173,10 +173,9 @@ class StepCoordinator:
         proven, unconfirmed = unborne_step_claims({c.peer_id: c.step for c in ahead}, peer.runner.step, delivered,
                                                   peer.joining.last_source if delivered else None)
         outcome = f"reached only step {peer.runner.step}" if delivered else "failed"
-        self.distrust(proven, f"announced step {max((c.step for c in ahead), default=0)}, but the state it served "
-                              f"{outcome}")
-        self.distrust(unconfirmed, f"announced step {max((c.step for c in ahead), default=0)}, but the state download "
-                                   f"{outcome}", transient=True)
+        claimed = max((c.step for c in ahead), default=0)
+        self.distrust(proven, f"announced step {claimed}, but the state it served {outcome}")
+        self.distrust(unconfirmed, f"announced step {claimed}, but the state download {outcome}", transient=True)
         for peer_id in proven | unconfirmed:
             self._state_distrusted[peer_id] = self._distrusted[peer_id]
         self._failed_rounds = 0
