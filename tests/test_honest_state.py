@@ -89,6 +89,7 @@ def test_sources_come_in_random_order():
     (dict(all_finite=False), False, True),
     (dict(step=None), False, True),
     (dict(step=6), False, False),  # the sender stepped since it announced
+    (dict(step=4), False, False),  # behind: not adopted (a replica that went back to the stage's lineage does that)
     (dict(digest="other"), False, True),
     (dict(), True, False),
 ])
@@ -96,6 +97,7 @@ def test_verdict_on_a_downloaded_state(case: Dict[str, Any], accept: bool, distr
     facts = {**dict(complete=True, all_finite=True, step=5, digest="a"), **case}
     verdict = check_downloaded_state(StateSources(("p1",), 5, "a"), **facts)
     assert (verdict.accept, verdict.distrust) == (accept, distrust) and (accept or verdict.reason)
+    assert verdict.moved_on == (facts["step"] == 6)  # its claim (step 5) holds: it is past it
 
 
 # ---- the download loop, with a fake averager: a lying server is refused, the next one is asked ----

@@ -174,3 +174,5 @@ def test_a_download_that_falls_short_proves_only_its_own_source_wrong():
     assert unborne_step_claims(ahead, reached=6, delivered=True, source="C") == (set(), set())  # borne out
     # nothing delivered: every claim ahead is unconfirmed, whoever was asked
     assert unborne_step_claims(ahead, reached=4, delivered=False, source="C") == (set(), {"A", "C", "D"})
+    # ...but a replica whose state had passed its announced step when it served it bore its claim out
+    assert unborne_step_claims(ahead, reached=4, delivered=False, source=None, moved_on={"A", "C"}) == (set(), {"D"})

@@ -51,6 +51,7 @@ class StateVerdict:
     accept: bool
     distrust: bool = False  # the sender served a state other than the one it announced
     reason: str = ""
+    moved_on: bool = False  # the sender's state is at a later step than announced: its claim holds, and more
 
 
 def trusted_state_sources(claims: Sequence[StateClaim], own_id: str, distrusted: Collection[str],
@@ -90,7 +91,8 @@ def check_downloaded_state(sources: StateSources, complete: bool, all_finite: bo
     if step is None:
         return StateVerdict(False, distrust=True, reason="the state's metadata is malformed")
     if step != sources.step:
-        return StateVerdict(False, reason=f"the state is at step {step}, not at the announced step {sources.step}")
+        return StateVerdict(False, reason=f"the state is at step {step}, not at the announced step {sources.step}",
+                            moved_on=step > sources.step)
     if digest != sources.digest:
         return StateVerdict(False, distrust=True,
                             reason=f"its parameters hash to {digest}, not to the announced digest {sources.digest}")

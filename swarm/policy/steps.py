@@ -249,8 +249,8 @@ def absent_claimants(claims: Mapping[str, int], gathered: Mapping[str, int]) -> 
     return {peer_id for peer_id, claimed in claims.items() if claimed > 0 and peer_id not in gathered}
 
 
-def unborne_step_claims(ahead: Mapping[str, int], reached: int, delivered: bool,
-                        source: Optional[str]) -> Tuple[Set[str], Set[str]]:
+def unborne_step_claims(ahead: Mapping[str, int], reached: int, delivered: bool, source: Optional[str],
+                        moved_on: Collection[str] = ()) -> Tuple[Set[str], Set[str]]:
     """After a state download meant to catch up with the replicas that announced a later step (``ahead``: peer
     id -> announced step), those whose step it did not bear out (above ``reached``, the step this replica
     holds now), as ``(proven, unconfirmed)``.
@@ -259,8 +259,11 @@ def unborne_step_claims(ahead: Mapping[str, int], reached: int, delivered: bool,
     step above the state it holds. The others may hold what they announce while the source lagged behind
     them, or the download failed: an honest replica's state can look the same, so theirs is a failure, with
     its short, escalating distrust. Treating them as liars would let one lagging source make a replica ignore
-    most of its stage for minutes, and pair off with the rest into a lineage of its own."""
-    unborne = {peer_id for peer_id, step in ahead.items() if step > reached}
+    most of its stage for minutes, and pair off with the rest into a lineage of its own. A replica that served
+    a state at a later step than it announced (``moved_on``: it stepped since) bore its claim out, and is
+    neither: doubting it too could leave this replica with no stage-mate it believes, stepping alone on a
+    lineage of its own until the doubt expires."""
+    unborne = {peer_id for peer_id, step in ahead.items() if step > reached} - set(moved_on)
     proven = unborne & {source} if delivered and source is not None else set()
     return proven, unborne - proven
 

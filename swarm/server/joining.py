@@ -42,6 +42,7 @@ class Joining:
         self._refused: Dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
         self._rng = rng or random.Random()  # orders the sources, so that joiners spread their load
         self.last_source: Optional[str] = None  # peer id of the replica whose state was adopted last, when known
+        self.moved_on: Set[str] = set()  # sources of the last download whose state had passed the step they announced
 
     async def choose_stage(self) -> int:
         peer = self.peer
@@ -102,6 +103,7 @@ class Joining:
 
         With the run's defences on, only from replicas announcing the state a majority of the stage
         announces, and only a state that proves to be that one (:mod:`swarm.policy.state_trust`)."""
+        self.moved_on = set()
         if self.peer.run.defences:
             return await self._download_trusted(max_attempts)
         return await self._download_any(max_attempts)
@@ -193,6 +195,8 @@ class Joining:
                 self._refuse(source, verdict.reason)
             else:  # a stream cut short, or a replica that stepped since it announced: nobody lied
                 logger.info(f"stage {peer.stage}: not adopting the state downloaded from {source}: {verdict.reason}")
+                if verdict.moved_on:
+                    self.moved_on.add(source)
         return False
 
     async def _fetch(self, peer_ids: List[str], deadline: float) -> Optional[Tuple[str, Any, List[torch.Tensor]]]:

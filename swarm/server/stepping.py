@@ -171,7 +171,8 @@ class StepCoordinator:
         # a claim that no download could bear out is ignored for a while (then believed again, if still made):
         # for long only where the claimant itself served a state behind its claim
         proven, unconfirmed = unborne_step_claims({c.peer_id: c.step for c in ahead}, peer.runner.step, delivered,
-                                                  peer.joining.last_source if delivered else None)
+                                                  peer.joining.last_source if delivered else None,
+                                                  peer.joining.moved_on)
         outcome = f"reached only step {peer.runner.step}" if delivered else "failed"
         claimed = max((c.step for c in ahead), default=0)
         self.distrust(proven, f"announced step {claimed}, but the state it served {outcome}")
