@@ -11,7 +11,8 @@ swarm per run, runs one after another:
     the attacker (``swarm peer --fault NAME``); the other stage ``--other_replicas`` (1). Attacks on
     stage 0: stage 0 x4, stage 1 x1. Attacks on stage 1 (``wrong_loss``, ``non_numeric_loss``, and the two
     x1000 gradient attacks, aimed at the stage that holds the output layer, where a step up the gradient
-    raises the loss directly, with no honest stage after it to adapt): stage 1 x4, stage 0 x1. Trainer attacks use the stage-0 shape with no faulty replica;
+    raises the loss directly, with no honest stage after it to adapt): stage 1 x4, stage 0 x1. Trainer
+    attacks use the stage-0 shape with no faulty replica;
   * 2 trainers, each sending ``--samples_per_trainer`` samples (so every run compares the model after
     the same data; ``--duration_s`` bounds the time, and is the only limit with ``--samples_per_trainer 0``);
     trainer0 is always honest, trainer1 is the attacker for trainer attacks (``swarm train --attack NAME``);

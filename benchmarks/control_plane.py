@@ -208,14 +208,13 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
         nominal = 2 * (per_store / args.announce_period_s + per_poll / args.read_period_s)
         levels = [d.levels() for d in directories]
         record_bytes = max(stored_record_bytes(i, v, s) for i, v, s in participants)
-        seen = statistics.mean(len(directories[k].records()) for k in pollers)
-        # how much of the swarm each poller's view holds: every node of the run stored a record
-        view_share = [len(directories[k].records()) / num_peers for k in sorted(pollers)]
+        seen_by = [len(directories[k].records()) for k in pollers]  # every node of the run stored a record
+        seen, view_share_min = statistics.mean(seen_by), min(seen_by) / num_peers
         return {"peers": num_peers, "dht_bytes_per_s_per_peer": round(nominal, 1), "max_record_bytes": record_bytes,
                 "lookup_ms_p50": round(statistics.median(latencies), 2), "max_message_bytes": _LARGEST["message"],
                 "bytes_per_store": round(per_store), "bytes_per_poll": round(per_poll),
                 "levels": sorted({level for row in levels for level in row}),
-                "records_seen_per_peer": round(seen, 1), "view_share_min": round(min(view_share), 3), "stretch": stretch, "failed_polls": measured_counts["failed"],
+                "records_seen_per_peer": round(seen, 1), "view_share_min": round(view_share_min, 3), "stretch": stretch, "failed_polls": measured_counts["failed"],
                 "polls": measured_counts["poll"],
                 "pollers": len(pollers), "polls_per_s_per_poller": round(measured_counts["poll"] / elapsed / len(pollers), 3),
                 "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "source": "live"}

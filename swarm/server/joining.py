@@ -140,7 +140,6 @@ class Joining:
         """Load a downloaded state (ValueError if it does not fit the stage; nothing changes then); ``source_id``:
         the peer id of the replica that served it, when known (it is then :attr:`last_source`)."""
         peer, runner = self.peer, self.peer.runner
-        self.last_source = None
         first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
         dropped_from = min(peer.steps.tentative, default=None) if peer.steps is not None else None
         await peer.compute(runner.load_state, metadata, tensors, dropped_from)
