@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["OptimizerConfig", "make_optimizer", "optimizer_step"]
+__all__ = ["OptimizerConfig", "batch_share", "make_optimizer", "optimizer_step"]
 
 
 @dataclass
@@ -57,9 +57,29 @@ def make_optimizer(params: Iterable[nn.Parameter], config: OptimizerConfig) -> t
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas)
 
 
-def optimizer_step(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
-    """Clip (if configured), step and zero the gradients of one stage's parameters."""
+def batch_share(samples: int, target_batch_size: int) -> float:
+    """The learning-rate scale of a step that applies ``samples`` of a ``target_batch_size`` global batch:
+    its share of the batch, at most 1.
+
+    A stage closes its step when the last stage does, with whatever it has accumulated by then; a stage
+    whose averaging rounds take longer than the last stage's steps falls behind and closes its late steps
+    one after another, the first with several batches and the rest with a handful of samples. Applied at
+    the full learning rate, a step of 8 samples moves the parameters as far as one of 256 (Adam normalises
+    the gradient's size away) in a direction that is mostly noise. Scaled by its share, it moves them as
+    far as its evidence warrants. A step with more than the batch is not scaled up: Adam's step does not
+    grow less noisy in proportion to its batch, so a larger rate would only add risk."""
+    if target_batch_size <= 0:
+        raise ValueError(f"target_batch_size must be positive, got {target_batch_size!r}")
+    return min(1.0, max(0, samples) / target_batch_size)
+
+
+def optimizer_step(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                   lr_scale: float = 1.0) -> None:
+    """Clip (if configured), step at ``lr_scale`` times the configured rate, and zero the gradients of one
+    stage's parameters."""
     if config.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * lr_scale
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

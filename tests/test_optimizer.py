@@ -1,10 +1,13 @@
-"""The stage optimizer: which parameters are decayed, and which settings are refused."""
+"""The stage optimizer: which parameters are decayed, how far a step short of the global batch moves them,
+and which settings are refused."""
 
 import pytest
 import torch
 
+from swarm.config import RunConfig
 from swarm.model import FullModel, ModelConfig
-from swarm.optimizer import OptimizerConfig, make_optimizer
+from swarm.optimizer import OptimizerConfig, batch_share, make_optimizer, optimizer_step
+from swarm.server.runner import StageRunner
 
 TINY = ModelConfig(vocab_size=256, seq_len=32, num_layers=2, hidden_size=32, num_heads=2)
 
@@ -25,3 +28,42 @@ def test_make_optimizer_decays_only_matrices():
 def test_optimizer_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         OptimizerConfig(**kwargs)
+
+
+def test_batch_share_is_the_steps_share_of_the_batch_at_most_one():
+    assert batch_share(64, 256) == 0.25
+    assert batch_share(0, 256) == 0.0
+    assert batch_share(256, 256) == 1.0
+    assert batch_share(576, 256) == 1.0, "a step with more than the batch is not made larger"
+    with pytest.raises(ValueError, match="target_batch_size"):
+        batch_share(8, 0)
+
+
+def _stepped(lr: float, lr_scale: float) -> list:
+    model = FullModel(TINY, 1, seed=0)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    optimizer_step(params, make_optimizer(params, OptimizerConfig(lr=lr)), OptimizerConfig(lr=lr), lr_scale=lr_scale)
+    return [p.detach() for p in params]
+
+
+def test_a_scaled_step_is_the_step_at_the_scaled_rate():
+    scaled, slower = _stepped(0.01, 0.25), _stepped(0.0025, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(scaled, slower))
+
+
+def test_a_stage_step_with_a_few_samples_moves_the_parameters_by_their_share():
+    """A replica that closes a step with an eighth of the global batch moves its parameters an eighth as far
+    as a step of the full batch with the same mean gradient (a first Adam step moves each value by lr)."""
+    run = RunConfig(num_stages=2, target_batch_size=64, optimizer=OptimizerConfig(lr=0.01),
+                    model=ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16))
+    moved = {}
+    for samples in (64, 8):
+        runner = StageRunner(run, 0)
+        before = [p.detach().clone() for p in runner.params]
+        runner.freeze()
+        runner.apply([torch.ones_like(p) for p in runner.params], total_samples=samples)
+        moved[samples] = max((p.detach() - b).abs().max().item() for p, b in zip(runner.params, before))
+    assert moved[64] == pytest.approx(0.01, rel=1e-3)
+    assert moved[8] == pytest.approx(moved[64] / 8, rel=1e-3)

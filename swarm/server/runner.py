@@ -34,7 +34,7 @@ from hivemind.utils import get_logger
 
 from swarm.config import RunConfig
 from swarm.model import StageModule, build_stage
-from swarm.optimizer import make_optimizer, optimizer_step
+from swarm.optimizer import batch_share, make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
 from swarm.server.merged_backward import merged_backward, predictive_entropy
@@ -453,13 +453,15 @@ class StageRunner:
         return weight
 
     def apply(self, mean_grads: Sequence[torch.Tensor], total_samples: int) -> None:
-        """Step the optimizer with the swarm-wide mean gradient of the frozen step."""
+        """Step the optimizer with the swarm-wide mean gradient of the frozen step, at a learning rate scaled
+        by the share of the global batch the step applies (:func:`~swarm.optimizer.batch_share`)."""
         with self.lock:
             assert self.frozen is not None, "apply() needs a frozen step"
             if total_samples > 0:  # a step that got no samples here keeps the step count aligned, nothing more
                 for p, g in zip(self.params, mean_grads):
                     p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-                optimizer_step(self.params, self.optimizer, self.run.optimizer)
+                optimizer_step(self.params, self.optimizer, self.run.optimizer,
+                               lr_scale=batch_share(total_samples, self.run.target_batch_size))
             self.step = self.frozen.step + 1
             self.samples_applied += total_samples
             self.frozen = None
