@@ -1,10 +1,14 @@
 """After global steps, every replica of a stage holds identical parameters, all stages at one step
-(with the run's compression too)."""
+(with the run's compression too); a round still looking for a group can be called off."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 import torch
 
+from swarm.server.averaging import RoundGivenUp, await_round
 from tests.utils.probe import online
 
 TARGET = 64
@@ -98,3 +102,45 @@ def test_a_failed_round_is_reported_once_without_hiveminds_traceback():
     ReportedRoundFailures.install()
     filters = logging.getLogger(ReportedRoundFailures.LOGGER).filters
     assert sum(isinstance(f, ReportedRoundFailures) for f in filters) == 1
+
+
+class _Round:
+    """Stands in for hivemind's StepControl: an awaitable round that may have begun its all-reduce."""
+
+    def __init__(self, began_allreduce: bool = False):
+        self.future = asyncio.get_running_loop().create_future()
+        self.began_allreduce, self.cancelled = began_allreduce, False
+
+    def __await__(self):
+        return self.future.__await__()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return self.future.cancel()
+
+
+async def _soon(result=None, error: BaseException = None):
+    await asyncio.sleep(0.01)
+    if error is not None:
+        raise error
+    return result
+
+
+async def test_a_round_still_looking_for_a_group_is_called_off_when_asked():
+    searching = _Round()
+    with pytest.raises(RoundGivenUp):
+        await await_round(searching, 5.0, _soon)
+    assert searching.cancelled, "hivemind's averager is told to stop looking"
+
+
+async def test_a_round_already_averaging_or_done_is_not_called_off():
+    averaging = _Round(began_allreduce=True)  # its group needs our part: it is waited for
+    asyncio.get_running_loop().call_later(0.05, averaging.future.set_result, {"gathered": 1})
+    assert await await_round(averaging, 5.0, _soon) == {"gathered": 1} and not averaging.cancelled
+    done = _Round()
+    done.future.set_result({"gathered": 2})
+    assert await await_round(done, 5.0, lambda: asyncio.sleep(10)) == {"gathered": 2}
+    # a watcher that failed says nothing about the round
+    failing = _Round()
+    asyncio.get_running_loop().call_later(0.05, failing.future.set_result, {"gathered": 3})
+    assert await await_round(failing, 5.0, lambda: _soon(error=RuntimeError("lookup failed"))) == {"gathered": 3}

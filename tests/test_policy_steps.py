@@ -7,7 +7,7 @@ from dataclasses import replace
 from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
     must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
-    unborne_step_claims,
+    round_is_over, unborne_step_claims,
 )
 
 TARGET = 100
@@ -176,3 +176,17 @@ def test_a_download_that_falls_short_proves_only_its_own_source_wrong():
     assert unborne_step_claims(ahead, reached=4, delivered=False, source="C") == (set(), {"A", "C", "D"})
     # ...but a replica whose state had passed its announced step when it served it bore its claim out
     assert unborne_step_claims(ahead, reached=4, delivered=False, source=None, moved_on={"A", "C"}) == (set(), {"D"})
+
+
+def test_a_round_is_over_once_a_majority_holds_a_later_state():
+    """The replica averages step 3 (it holds state 3)."""
+    moved = claim("A", step=4, accum_step=4, digest="d4"), claim("C", step=4, accum_step=4, digest="d4")
+    assert round_is_over(view(others=moved)), "both mates applied step 3: 2 of the stage's 3"
+    assert round_is_over(view(others=(*moved, claim("D", step=4, accum_step=4, digest="d4"), claim("E"))))
+    assert not round_is_over(view(others=(*moved, claim("D")))), "2 of 4 is no majority"
+    assert not round_is_over(view(others=(moved[0], claim("C")))), "one mate ahead is no majority"
+    assert not round_is_over(view(others=(claim("A"), claim("C")))), "the majority averages our step with us"
+    # a lone replica claiming to be far ahead makes no majority, so it cannot make others give up their rounds
+    assert not round_is_over(view(others=(claim("A", step=90, accum_step=90, digest="d90"), claim("C"))))
+    # mates whose announced state does not count (voters) do not make a majority either
+    assert not round_is_over(view(others=moved, voters=(claim("C"),)))

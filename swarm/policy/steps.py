@@ -32,7 +32,7 @@ __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
     "overclaimers", "absent_claimants", "clock_step", "stage_mates", "min_group_size", "majority_group",
-    "confirmed_below", "distrust_seconds", "unborne_step_claims",
+    "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over",
     "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
 ]
 
@@ -202,6 +202,16 @@ def stage_mates(view: StageView) -> Tuple[ReplicaClaim, ...]:
     """The other replicas that hold the stage's parameters (:attr:`StageView.voters`): those a step is
     averaged with, even while their claims about pending work are ignored."""
     return view.others if view.voters is None else view.voters
+
+
+def round_is_over(view: StageView) -> bool:
+    """Whether the averaging round this replica is looking for (for its step ``view.step``) is over without
+    it: a strict majority of the stage already holds a state past that step. The majority cannot be
+    waiting for this replica, so looking on for a group only lets the stage get further ahead; the
+    replica gives up the round and downloads the stage's state. A lone replica announcing a later step is
+    no majority and changes nothing here."""
+    majority = majority_state(view)
+    return majority is not None and majority[0] > view.step
 
 
 def step_alone(failed_rounds: int, max_failed_rounds: int, view: Optional[StageView] = None) -> bool:

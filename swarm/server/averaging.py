@@ -35,7 +35,7 @@ import math
 import signal
 import time
 from concurrent.futures import InvalidStateError
-from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from hivemind import DecentralizedAverager
@@ -59,8 +59,8 @@ from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.server.faults import GradientFault
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 
-__all__ = ["StageAverager", "RoundResult", "BlockwiseInt8", "butterfly_compression", "step_group_bits",
-           "ReportedRoundFailures"]
+__all__ = ["StageAverager", "RoundResult", "RoundGivenUp", "await_round", "BlockwiseInt8", "butterfly_compression",
+           "step_group_bits", "ReportedRoundFailures"]
 
 logger = get_logger(__name__)
 GROUP_BITS = 16
@@ -117,6 +117,32 @@ class BlockwiseInt8(CompressionBase):
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         bits = torch.finfo(info.descriptor.dtype).bits if info.descriptor.dtype.is_floating_point else 32
         return (8 + 32 / self.block_size) / bits
+
+
+class RoundGivenUp(Exception):
+    """The caller called off an averaging round before it found a group."""
+
+
+async def await_round(control: MPFuture, timeout: float, give_up: Optional[Callable[[], Awaitable[Any]]]) -> Any:
+    """What the averaging round ``control`` gathered; raises :class:`RoundGivenUp` if the awaitable that
+    ``give_up`` makes completes first while the round is still looking for a group."""
+    round_ = asyncio.ensure_future(asyncio.wait_for(control, timeout=timeout))
+    if give_up is None:
+        return await round_
+    quit_ = asyncio.ensure_future(give_up())
+    try:
+        await asyncio.wait({round_, quit_}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        round_.cancel()
+        raise
+    finally:
+        quit_.cancel()
+    if round_.done() or control.began_allreduce or quit_.cancelled() or quit_.exception() is not None:
+        return await round_
+    control.cancel()  # hivemind's averager stops looking for a group when its step is cancelled
+    round_.cancel()
+    await asyncio.gather(round_, return_exceptions=True)
+    raise RoundGivenUp("called off while looking for a group")
 
 
 def butterfly_compression(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CompressionBase:
@@ -209,12 +235,14 @@ class StageAverager(DecentralizedAverager):
         return metadata, tensors, None
 
     async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
-                      matchmaking_timeout: float, timeout: float, min_group_size: int = 2) -> Optional[RoundResult]:
+                      matchmaking_timeout: float, timeout: float, min_group_size: int = 2,
+                      give_up: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[RoundResult]:
         """One averaging round for ``step``: the combined gradients and who contributed, or None on failure.
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
         quickly that a replica died and go on without it. A group smaller than ``min_group_size`` is
-        disbanded instead of averaged."""
+        disbanded instead of averaged. ``give_up``: once the awaitable it makes completes, a search for a group that has not
+        yet found one is called off (a group already averaging is waited for: its members need our part)."""
         if min_group_size < 2:
             raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
         self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(min_group_size))))
@@ -227,7 +255,7 @@ class StageAverager(DecentralizedAverager):
             weight = max(self._fault.claimed_samples(samples, self._max_samples), 1e-6)
             control = self.step(gather=gather, weight=weight, timeout=matchmaking_timeout,
                                 wait=False, allow_retries=False)
-            gathered = await asyncio.wait_for(control, timeout=timeout + 5)
+            gathered = await await_round(control, timeout + 5, give_up)
         except Exception as e:
             logger.info(f"averaging step {step} failed: {type(e).__name__}: {e}")
             return None

@@ -19,8 +19,8 @@ from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
-    min_group_size, must_wait, near_target, needs_resync, overclaimers, stage_mates, step_alone, step_is_due,
-    trusted_others, unborne_step_claims,
+    min_group_size, must_wait, near_target, needs_resync, overclaimers, round_is_over, stage_mates, step_alone,
+    step_is_due, trusted_others, unborne_step_claims,
 )
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
@@ -198,10 +198,15 @@ class StepCoordinator:
         started = time.monotonic()
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
                     f"with {len(mates)} other replicas")
+        over = asyncio.Event()
         result = await peer.averager.average(
             frozen.step, frozen.mean_grads, frozen.samples, gather,
             matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
-            min_group_size=min_group_size(view))
+            min_group_size=min_group_size(view), give_up=lambda: self._until_round_is_over(over))
+        if result is None and over.is_set():
+            logger.info(f"stage {peer.stage}: most of the stage applied step {frozen.step} without this replica; "
+                        f"catching up")
+            return  # the next poll downloads the stage's state; no failed round: nobody failed to average
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
                     f"after {time.monotonic() - started:.2f}s")
         observe_allreduce(time.monotonic() - started, ok=result is not None)
@@ -237,6 +242,24 @@ class StepCoordinator:
         included = [p for p in result.included if p in samples]
         await self.apply(result.tensors, sum(samples[p] for p in included), sorted(included),
                          tentative=not majority_group(len(set(gathered) - set(result.banned)), view))
+
+    async def _until_round_is_over(self, over: asyncio.Event) -> None:
+        """Watch the stage's records while this replica looks for an averaging group; return (setting
+        ``over``) once a majority of the stage holds a state past the step being averaged
+        (:func:`round_is_over`): a replica that downloaded the stage's state while the others were already
+        averaging its step would otherwise look for their group until its search timed out, by which time
+        they are steps further on, and never catch up with a stage that steps back to back."""
+        peer = self.peer
+        while True:
+            await asyncio.sleep(peer.config.poll_period_s)
+            try:
+                self._observe(await peer.fetch_records())
+            except Exception as e:  # a lookup that failed says nothing about the round: keep looking for the group
+                logger.debug(f"stage {peer.stage}: could not read the stage's records while averaging: {e!r}")
+                continue
+            if round_is_over(self.view()):
+                over.set()
+                return
 
     def _report_exclusions(self, result) -> None:
         """Log whom a robust round left out, and stop believing the claims of those it banned."""
