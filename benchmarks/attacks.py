@@ -42,11 +42,12 @@ Measured, per run:
                    ``samples_counted_twice``: how far the most generous stage's accounting exceeds the samples sent.
   attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
                    and a trainer was training; a trainer: once it was ready; ``poisoned_state``: once the
-                   joiner was started) to the first exclusion in an honest role's log: a trainer's "banning
-                   peer <id>", a replica's WARN "excluding <id> from averaging", the joiner's WARN refusing
-                   the attacker's state; for trainer attacks the first WARN line of an honest peer naming the
-                   attacker trainer. null if never. ``attacker_excluded_after_online_s`` counts from the
-                   attacker's own ready line instead. Resolution: log stamps (ms) and polling (0.2 s).
+                   joiner was started, or 0 if a resyncing honest replica refused its state even earlier) to
+                   the first exclusion in an honest role's log: a trainer's "banning peer <id>", a replica's
+                   WARN "excluding <id> from averaging", a WARN refusing the attacker's state; for trainer
+                   attacks the first WARN line of an honest peer naming the attacker trainer. null if never.
+                   ``attacker_excluded_after_online_s`` counts from the attacker's own ready line instead.
+                   Resolution: log stamps (ms) and polling (0.2 s).
 Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on; the repeat of median held-out loss), defended
 and undefended runs, ``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack
 run over the median of the clean defended runs of the same shape), ``undefended_diverged`` (the undefended
@@ -277,7 +278,9 @@ def exclusion(run: Run) -> Dict[str, Any]:
         honest.append(run.joiner)
     found = first_exclusion([r.process.log_path for r in honest], run.attacker.peer_id, any_warning=by_trainer)
     if run.spec.attack.late_joiner:
-        reference = run.joiner_started_at
+        # any replica that downloads the stage's state is its victim: a resyncing one may refuse its state before
+        # the joiner starts, and was then its first victim, refusing it as the download ended (0 s, not negative)
+        reference = None if run.joiner_started_at is None or found is None else min(run.joiner_started_at, found[0].t)
     elif by_trainer:
         reference = run.attacker.ready_at
     else:

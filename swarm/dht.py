@@ -20,7 +20,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.auth import AuthorizerBase
 
 from swarm.config import NetworkConfig, RunConfig
-from swarm.identity import Identity, load_or_create_identity
+from swarm.identity import Identity, key_file_for_start, load_or_create_identity
 from swarm.listening import listen_and_announce
 from swarm.records import run_schema_validator
 
@@ -58,11 +58,12 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
     extra.update({"check_if_identity_free": not identity.fresh, **(p2p_options or {})})
     host_maddrs, announce_maddrs = listen_and_announce(network.host_maddrs, network.announce_maddrs)
-    dht = DHT(
-        initial_peers=network.initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
-        identity_path=identity.path, record_validators=validators, client_mode=client_mode, start=True,
-        startup_timeout=network.startup_timeout_s, **extra,
-    )
+    with key_file_for_start(identity) as identity_path:
+        dht = DHT(
+            initial_peers=network.initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
+            identity_path=identity_path, record_validators=validators, client_mode=client_mode, start=True,
+            startup_timeout=network.startup_timeout_s, **extra,
+        )
     dht.listen_maddrs = host_maddrs
     dht.identity = identity  # lives in this (parent) process only; the DHT process has the key in its validator
     if str(dht.peer_id) != identity.peer_id:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import hashlib
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 import base58
 import multihash
@@ -26,7 +27,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-__all__ = ["Identity", "load_or_create_identity", "owner_subkey", "peer_id_of", "MIN_RSA_BITS"]
+__all__ = ["Identity", "load_or_create_identity", "key_file_for_start", "owner_subkey", "peer_id_of", "MIN_RSA_BITS"]
 
 MIN_RSA_BITS = 2048  # libp2p refuses smaller RSA keys
 
@@ -42,6 +43,7 @@ class Identity:
     private_key: RSAPrivateKey = field(repr=False)
     peer_id: str
     fresh: bool = False  # generated just now, so no other peer can be using it yet
+    temporary: bool = False  # generated for this process only: its file exists only while a p2pd starts
 
     @property
     def public_key(self) -> bytes:
@@ -134,8 +136,12 @@ def _wrap(key: rsa.RSAPrivateKey) -> RSAPrivateKey:
 
 
 def _serialized_new_identity() -> bytes:
+    return _serialized(RSAPrivateKey())
+
+
+def _serialized(key: RSAPrivateKey) -> bytes:
     # the same encoding as hivemind's P2P.generate_identity, which p2pd reads
-    return crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=RSAPrivateKey().to_bytes()).SerializeToString()
+    return crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes()).SerializeToString()
 
 
 def _write_new_identity(path: str) -> None:
@@ -164,7 +170,24 @@ def _create_temporary_identity() -> Identity:
     atexit.register(_remove_quietly, path)
     with os.fdopen(fd, "wb") as file:
         file.write(_serialized_new_identity())
-    return _identity_from_file(path, fresh=True)
+    return dataclasses.replace(_identity_from_file(path, fresh=True), temporary=True)
+
+
+@contextlib.contextmanager
+def key_file_for_start(identity: Identity) -> Iterator[str]:
+    """The identity file to start a p2pd with. A temporary identity's file is (re)written for the start and
+    removed once the daemon has read it: the key lives on in this process, and a process that is killed
+    leaves no private key behind in the temporary directory (an exit handler removes it only on a clean exit)."""
+    if not identity.temporary:
+        yield identity.path
+        return
+    fd = os.open(identity.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(_serialized(identity.private_key))
+    try:
+        yield identity.path
+    finally:
+        _remove_quietly(identity.path)
 
 
 def _remove_quietly(path: str) -> None:

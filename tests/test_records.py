@@ -296,6 +296,19 @@ def test_peer_id_is_the_one_p2pd_reports(swarm):
     assert load_or_create_identity(identity.path).peer_id == identity.peer_id
 
 
+def test_a_temporary_identity_leaves_no_key_file_once_its_daemon_started(swarm):
+    """A role killed by SIGKILL runs no exit handler: its private key must not be left behind in /tmp."""
+    assert swarm.reader.identity.temporary and not os.path.exists(swarm.reader.identity.path)
+    identity = load_or_create_identity(None)
+    network = NetworkConfig(initial_peers=[str(a) for a in swarm.victim.get_visible_maddrs()])
+    for _ in range(2):  # the second time as a peer restarts its DHT with the identity it has
+        dht = start_dht(network, run_id=RUN_ID, num_stages=NUM_STAGES, identity=identity)
+        try:
+            assert str(dht.peer_id) == identity.peer_id and not os.path.exists(identity.path)
+        finally:
+            dht.shutdown()
+
+
 async def test_forged_record_is_refused(swarm, caplog):
     key, victim = stage_key(RUN_ID, 0), swarm.victim.identity.peer_id
     assert await store_record(swarm.victim, key, peer_record(victim, step=3), 30)
