@@ -32,6 +32,21 @@ def report(trainer) -> None:
         logger.info(_progress_line(trainer))
 
 
+async def drain_unless_stopped_again(trainer, stop: asyncio.Event, timeout_s: float = 30.0) -> bool:
+    """Wait (at most ``timeout_s``) until every sample sent is held by a live replica, so that leaving loses
+    none; a second SIGTERM or Ctrl-C leaves at once. Whether everything was held when it returned."""
+    stop.clear()
+    draining = asyncio.create_task(trainer.drain(timeout_s=timeout_s))
+    again = asyncio.create_task(stop.wait())
+    await asyncio.wait({draining, again}, return_when=asyncio.FIRST_COMPLETED)
+    again.cancel()
+    if draining.done():
+        return draining.result()
+    draining.cancel()
+    logger.warning("stopped again: leaving without waiting for the replicas to hold every sample sent")
+    return False
+
+
 async def train(config: TrainerConfig) -> int:
     from swarm.client.trainer import Trainer
 
@@ -48,7 +63,7 @@ async def train(config: TrainerConfig) -> int:
         train_s = time.monotonic() - started  # the time spent training, without the drain below
         if not training.done():
             training.cancel()
-        drained = await trainer.drain(timeout_s=30.0)
+        drained = await drain_unless_stopped_again(trainer, stop)
         m = trainer.metrics
         emit("trainer_done", trainer_id=trainer.trainer_id, samples_sent=m.samples_sent, loss=m.recent_loss(),
              failed=m.micro_batches_failed, resent=trainer.ledger.num_resent, drained=drained,

@@ -87,6 +87,28 @@ def test_trainer_finishes_and_stops_on_sigterm(launcher):
     assert group_is_empty(endless.pid)
 
 
+def test_a_second_sigterm_cuts_a_trainers_drain_short(launcher):
+    """A stopping trainer waits for live replicas to hold what it sent; with every replica gone it would wait
+    its whole bound, so a second SIGTERM (or Ctrl-C) leaves at once."""
+    launcher.bootstrap()
+    peers = [launcher.peer(stage, target_batch_size=100_000) for stage in (0, 1)]  # no step ever commits a sample
+    trainer = launcher.trainer(target_batch_size=100_000, extra=["--peer_grace_s", "1"])
+    trainer.wait_event("trainer_ready", timeout=60)
+    time.sleep(2)
+    for peer in peers:
+        peer.kill_group()
+    time.sleep(6)  # their records expire (3 s) and the trainer's grace passes: it knows its samples are held nowhere
+    trainer.signal(signal.SIGTERM)
+    time.sleep(3)
+    assert trainer.proc.poll() is None, "nothing it sent is held any more: the first SIGTERM drains"
+    trainer.signal(signal.SIGTERM)
+    assert trainer.proc.wait(timeout=15) == 0
+    done = trainer.wait_event("trainer_done", timeout=5)
+    assert done["samples_sent"] > 0 and done["drained"] is False
+    assert "leaving without waiting" in trainer.log_tail()
+    assert group_is_empty(trainer.pid)
+
+
 def test_demo_runs_and_stops_everything(tmp_path):
     run_id = f"demo{os.getpid()}"
     proc = subprocess.Popen(

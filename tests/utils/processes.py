@@ -56,10 +56,13 @@ class Launcher:
         return self.start("train", args, name=name)
 
     def close(self) -> None:
-        """Stop every role at once (each leaves gracefully in parallel, within one shared bound), then
-        kill whatever is left of their process groups."""
+        """Stop the trainers, then every other role at once (each leaves gracefully in parallel, within one
+        shared bound), then kill whatever is left of their process groups. Trainers go first, as a user's
+        would: a leaving trainer waits until live replicas hold what it sent, which cannot happen once the
+        replicas holding it have left too."""
         processes, self.processes = self.processes, []  # stopped once: a second close signals no reused pid
-        stop_all(list(reversed(processes)), timeout=15)
+        stop_all([p for p in reversed(processes) if p.role == "train"], timeout=10)
+        stop_all([p for p in reversed(processes) if p.role != "train"], timeout=15)
 
 
 def wait_for_log_lines(process: RoleProcess, predicate: Callable[[str], bool], timeout: float,
