@@ -43,7 +43,7 @@ class Identity:
     private_key: RSAPrivateKey = field(repr=False)
     peer_id: str
     fresh: bool = False  # generated just now, so no other peer can be using it yet
-    temporary: bool = False  # generated for this process only: its file exists only while a p2pd starts
+    temporary: bool = False  # made for this process only: on disk until its first p2pd start, then only during one
 
     @property
     def public_key(self) -> bytes:
@@ -175,19 +175,21 @@ def _create_temporary_identity() -> Identity:
 
 @contextlib.contextmanager
 def key_file_for_start(identity: Identity) -> Iterator[str]:
-    """The identity file to start a p2pd with. A temporary identity's file is (re)written for the start and
-    removed once the daemon has read it: the key lives on in this process, and a process that is killed
-    leaves no private key behind in the temporary directory (an exit handler removes it only on a clean exit)."""
+    """The identity file to start a p2pd with. A temporary identity's key is written to a new private file
+    for the start, removed once the daemon has read it: the key lives on in this process, and a process
+    that is killed leaves no private key behind in the temporary directory (an exit handler removes files
+    only on a clean exit)."""
     if not identity.temporary:
         yield identity.path
         return
-    fd = os.open(identity.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as file:
-        file.write(_serialized(identity.private_key))
+    _remove_quietly(identity.path)  # the file it was created in; each start writes a new private one
+    fd, path = tempfile.mkstemp(prefix="swarm-identity-", suffix=".key")  # mode 0600
     try:
-        yield identity.path
+        with os.fdopen(fd, "wb") as file:
+            file.write(_serialized(identity.private_key))
+        yield path
     finally:
-        _remove_quietly(identity.path)
+        _remove_quietly(path)
 
 
 def _remove_quietly(path: str) -> None:

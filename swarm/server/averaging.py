@@ -241,8 +241,9 @@ class StageAverager(DecentralizedAverager):
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
         quickly that a replica died and go on without it. A group smaller than ``min_group_size`` is
-        disbanded instead of averaged. ``give_up``: once the awaitable it makes completes, a search for a group that has not
-        yet found one is called off (a group already averaging is waited for: its members need our part)."""
+        disbanded instead of averaged. ``give_up``: once the awaitable it makes completes, a search for a
+        group that has not found one yet is called off (a group already averaging is waited for: its members
+        need our part)."""
         if min_group_size < 2:
             raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
         self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(min_group_size))))

@@ -199,10 +199,12 @@ class StepCoordinator:
         logger.info(f"stage {peer.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
                     f"with {len(mates)} other replicas")
         over = asyncio.Event()
+        # with one mate, a majority past this step would have to include this replica: nothing to watch for
+        watch = (lambda: self._until_round_is_over(over)) if len(mates) >= 2 else None
         result = await peer.averager.average(
             frozen.step, frozen.mean_grads, frozen.samples, gather,
             matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
-            min_group_size=min_group_size(view), give_up=lambda: self._until_round_is_over(over))
+            min_group_size=min_group_size(view), give_up=watch)
         if result is None and over.is_set():
             logger.info(f"stage {peer.stage}: most of the stage applied step {frozen.step} without this replica; "
                         f"catching up")
