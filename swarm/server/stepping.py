@@ -152,10 +152,14 @@ class StepCoordinator:
             waker = "coordinate" if self.near_target() or peer.runner.frozen is not None else None
             await peer.sleep_or_progress(waker, peer.config.poll_period_s, FAST_PERIOD_S)
 
+    async def _read_view(self) -> StageView:
+        """The view after a fresh read of the stage's records."""
+        self._observe(await self.peer.fetch_records())
+        return self.view()
+
     async def coordinate_once(self) -> None:
         peer = self.peer
-        self._observe(await peer.fetch_records())
-        view = self.view()
+        view = await self._read_view()
         self._confirm(view)
         if needs_resync(view):
             await self._resync(view)
@@ -255,11 +259,11 @@ class StepCoordinator:
         while True:
             await asyncio.sleep(peer.config.poll_period_s)
             try:
-                self._observe(await peer.fetch_records())
+                view = await self._read_view()
             except Exception as e:  # a lookup that failed says nothing about the round: keep looking for the group
                 logger.debug(f"stage {peer.stage}: could not read the stage's records while averaging: {e!r}")
                 continue
-            if round_is_over(self.view()):
+            if round_is_over(view):
                 over.set()
                 return
 
