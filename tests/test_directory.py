@@ -21,7 +21,7 @@ from swarm import PROTOCOL_VERSION
 from swarm.directory import Directory
 from swarm.identity import load_or_create_identity
 from swarm.policy.directory import (
-    MAX_LEVEL, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, probe_levels, level_for, shard_count,
+    MAX_LEVEL, PROBE_REACH, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, probe_levels, level_for, shard_count,
     shard_of, shards_to_read, write_levels,
 )
 from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
@@ -214,7 +214,11 @@ def test_a_growing_stage_moves_to_shards_and_a_new_reader_sees_all_of_it_a_few_s
     asyncio.run(announce_rounds(60))
     # each writer reads two shards a poll, so it sees part of the stage, but all agree on its size and level
     assert {writer.levels()[1] for writer in writers} <= {2, 3}, [w.levels() for w in writers]
-    assert all(26 <= writer.size(1) <= 60 for writer in writers), [w.size(1) for w in writers]
+    sizes = [writer.size(1) for writer in writers]
+    assert 36 <= sum(sizes) / len(sizes) <= 44, sizes  # the estimator is unbiased: their mean is the stage's size
+    # one writer's estimate spreads with how unevenly the records fall across shards (a standard deviation of up to
+    # ~5 here); within a factor 2 of the size, a reader's probe window (PROBE_REACH levels around its own) finds it
+    assert PROBE_REACH == 1 and all(20 <= size <= 80 for size in sizes), sizes
     # level 0 holds only the records of the first rounds, expired
     assert all(item.expiration_time <= _Clock.now for item in table[stage_key("run", 1)].values())
 
