@@ -14,11 +14,22 @@ gradients anyway. Here the round has two exchanges over hivemind's ``rpc_aggrega
    drops that sender and bans it.
 
 A gradient goes in only if most members that echoed hold it (see :func:`agreed_contributions`), so a
-gradient that some members missed (it came late, or its sender skipped them) is dropped by all alike. Each member then runs
-:func:`swarm.policy.aggregation.robust_aggregate` on the same inputs in the same order, so honest members
-end with bit-identical results. Should a liar still make honest members
-hold different inputs (by withholding its gradient from some), their parameter digests differ after
-the step, and the minority downloads the majority's state (see :mod:`swarm.policy.steps`).
+gradient that some members missed (it came late, or its sender skipped them) is dropped by all alike.
+But members decide on the echoes that reached them in time, and under load one member's view can lack an
+echo that another's holds, so they can decide on different inputs. Hence
+
+3. **decision**: every member sends every other member the digest of the inputs it decided on (senders,
+   gradient hashes, claimed samples; :func:`inputs_digest`), and applies the result only once a strict
+   majority of the group, itself included, sent that same digest (:func:`decision_is_confirmed`); it sits
+   the round out otherwise. Two confirming majorities of one group share a member, and an honest member
+   sends everyone the same digest, so honest members that apply a round applied the same inputs.
+
+Each member then runs :func:`swarm.policy.aggregation.robust_aggregate` on those inputs in the same
+order, so honest members end with bit-identical results. A member that sat out is behind its stage and
+downloads the state that most of its stage holds (see :mod:`swarm.policy.steps`). Only liars on both
+sides of the shared member (a decision to one member, another to the next) can still make two honest
+members apply different inputs; their parameter digests then differ after the step, and the minority
+downloads the majority's state.
 
 With the run's ``compression`` (fp16 or int8), a member compresses its gradient once and sends those
 bytes to everyone (float32 chunks otherwise); the commitment hashes the compressed bytes. Every member,
@@ -50,8 +61,9 @@ from swarm.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError,
 from swarm.identity import peer_id_of
 from swarm.policy.aggregation import Aggregate, AggregationConfig, equivocators, robust_aggregate
 
-__all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "sign_commitment",
-           "check_commitment", "pack", "unpack", "CHUNK_ELEMENTS", "CHUNK_BYTES"]
+__all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "inputs_digest",
+           "decision_is_confirmed", "sign_commitment", "check_commitment", "pack", "unpack", "CHUNK_ELEMENTS",
+           "CHUNK_BYTES"]
 
 logger = get_logger(__name__)
 CHUNK_ELEMENTS = 2**17  # float32 values per streamed chunk (512 KiB)
@@ -197,11 +209,14 @@ class RobustRound:
         self.received: Dict[str, torch.Tensor] = {}
         self.commitments: Dict[str, Commitment] = {}  # sender -> the commitment that came with its gradient
         self.seen: Dict[str, Set[str]] = {}  # sender -> hashes it signed for this round (direct and echoed)
+        self.signed: Dict[str, Commitment] = {}  # sender -> the first valid commitment of it seen (direct or echoed)
         self._gradients_in = asyncio.Event()
         self._started: Set[str] = set()  # senders whose gradient stream has begun
         self._echoes_from: Set[str] = set()
         self.held_by: Dict[str, Set[str]] = {}  # echoing member -> senders whose gradients it says it holds
         self._echoes_in = asyncio.Event()
+        self.decisions: Dict[str, str] = {}  # member -> the digest of the inputs it decided on
+        self._decision_in = asyncio.Event()  # set at each decision that arrives
         self.refused: Dict[str, str] = {}  # sender -> why its gradient was refused
         self._deadline = time.monotonic() + timeout
         self._check_done()
@@ -223,6 +238,8 @@ class RobustRound:
                 await self._receive_gradient(sender, header, first, stream)
             elif header.get("kind") == "echo":
                 self._receive_echo(sender, header)
+            elif header.get("kind") == "decision":
+                self._receive_decision(sender, header)
             else:
                 raise ValueError(f"unknown message kind {header.get('kind')!r}")
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
@@ -274,8 +291,18 @@ class RobustRound:
         if self._echoes_from >= {str(p) for p in self.others}:
             self._echoes_in.set()
 
+    def _receive_decision(self, sender: str, header: Dict[str, Any]) -> None:
+        digest = header.get("inputs")
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise ValueError("a decision must be the 64-character digest of the inputs")
+        if sender in self.decisions:
+            raise ValueError("a second decision for the round")
+        self.decisions[sender] = digest
+        self._decision_in.set()
+
     def _note(self, commitment: Commitment) -> None:
         self.seen.setdefault(commitment.sender, set()).add(commitment.sha256)
+        self.signed.setdefault(commitment.sender, commitment)
 
     def _check_done(self) -> None:
         if set(self.received) >= {str(p) for p in self.others}:
@@ -283,7 +310,8 @@ class RobustRound:
 
     # ---- sending ----
 
-    async def _send(self, peer: PeerID, header: Dict[str, Any], chunks: Sequence[runtime_pb2.Tensor]) -> None:
+    async def _send(self, peer: PeerID, header: Dict[str, Any], chunks: Sequence[runtime_pb2.Tensor],
+                    until: Optional[float] = None) -> None:
         async def messages():
             yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
                                               peer_id=MSGPackSerializer.dumps(header),
@@ -298,7 +326,7 @@ class RobustRound:
                 raise ValueError(f"{peer} answered {averaging_pb2.MessageCode.Name(reply.code)}")
 
         try:
-            await asyncio.wait_for(exchange(), max(0.0, self._deadline - time.monotonic()))
+            await asyncio.wait_for(exchange(), max(0.0, min(self._deadline, until or self._deadline) - time.monotonic()))
         except Exception as e:
             logger.debug(f"sending to {peer} failed: {type(e).__name__}: {e}")
 
@@ -331,6 +359,22 @@ class RobustRound:
         echoed = [c.to_dict() for c in list(self.commitments.values())[:MAX_ECHOED]]
         await asyncio.gather(*(self._send(peer, {"kind": "echo", "commitments": echoed}, ()) for peer in self.others))
 
+    async def _decide(self, digest: str) -> bool:
+        """Send this member's decision to the others, and wait (at most a chunk's timeout) until a strict
+        majority of the group confirms it, or every other member has decided. Whether it was confirmed."""
+        until = min(self._deadline, time.monotonic() + self.chunk_timeout)
+        sending = asyncio.ensure_future(asyncio.gather(
+            *(self._send(peer, {"kind": "decision", "inputs": digest}, (), until) for peer in self.others)))
+        try:
+            while not decision_is_confirmed(digest, self.decisions, len(self.others) + 1):
+                if set(self.decisions) >= {str(p) for p in self.others} or time.monotonic() >= until:
+                    return False
+                self._decision_in.clear()
+                await _wait(self._decision_in, until)
+            return True
+        finally:
+            await sending  # each send ends by `until`
+
     # ---- the round ----
 
     async def _wait_for_gradients(self, started: float) -> None:
@@ -352,17 +396,24 @@ class RobustRound:
         me = str(self.peer_id)
         held_by = {**{m: h for m, h in self.held_by.items() if m not in self.banned}, me: set(self.received) | {me}}
         agreed = agreed_contributions(held_by)
+        banned, equivocated = set(self.banned), equivocators(self.seen)
+        digest = inputs_digest({sender: self.signed[sender] for sender in agreed - banned - equivocated})
+        confirmed = await self._decide(digest)  # this member's decision counts for the others even if it sits out
         if me not in agreed:
             raise IncompleteRound("most of the group did not receive this member's gradient")
         missing = agreed - set(self.received) - {me}
         if missing:
             raise IncompleteRound(f"most of the group holds gradients this member did not receive: {sorted(missing)}")
+        if not confirmed:
+            others = sorted(self.decisions.values()).count(digest)
+            raise IncompleteRound(f"{others} of {len(self.others)} groupmates confirmed this member's inputs "
+                                  f"({len(self.decisions)} decided), not a majority of the group")
         contributions = {sender: vector for sender, vector in self.received.items() if sender in agreed}
         contributions[me] = self.contribution
         claims = {sender: c.samples for sender, c in self.commitments.items()}
         aggregate = await asyncio.get_running_loop().run_in_executor(
-            None, _aggregate_single_threaded, contributions, claims, self.config, set(self.banned),
-            equivocators(self.seen), self.max_samples)
+            None, _aggregate_single_threaded, contributions, claims, self.config, banned, equivocated,
+            self.max_samples)
         for peer in self.others:
             if str(peer) not in contributions and str(peer) not in aggregate.excluded:
                 why = "a groupmate did not receive its gradient" if str(peer) in self.received else "sent no gradient in time"
@@ -383,6 +434,20 @@ def agreed_contributions(held_by: Dict[str, Set[str]]) -> Set[str]:
     voters = len(held_by)
     senders = set().union(*held_by.values()) if held_by else set()
     return {s for s in senders if 2 * sum(1 for held in held_by.values() if s in held) > voters}
+
+
+def inputs_digest(inputs: Dict[str, Commitment]) -> str:
+    """What a member decided to aggregate, as one hash: each input's sender, gradient hash and claimed
+    samples (the aggregate is a function of exactly these, given the run's config)."""
+    listed = sorted((sender, c.sha256, float(c.samples)) for sender, c in inputs.items())
+    return hashlib.sha256(MSGPackSerializer.dumps([b"swarm-round-inputs", listed])).hexdigest()
+
+
+def decision_is_confirmed(digest: str, decisions: Dict[str, str], group_size: int) -> bool:
+    """Whether a strict majority of the group (``group_size`` members, this one included with ``digest``)
+    decided on ``digest``. Any two such majorities share a member, so two honest members that each see their
+    decision confirmed decided alike, unless a liar sent each of them another decision."""
+    return 2 * (1 + sum(1 for other in decisions.values() if other == digest)) > group_size
 
 
 async def _wait(event: asyncio.Event, deadline: float) -> None:

@@ -1,0 +1,146 @@
+"""Members of one robust round wired to each other in one process, over a transport that delays or drops
+chosen messages: what honest members apply when the network reorders their exchanges."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Dict, List, Optional, Set, Tuple
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils import MSGPackSerializer
+
+from swarm.identity import load_or_create_identity
+from swarm.policy.aggregation import AggregationConfig
+from swarm.server.robust_allreduce import (IncompleteRound, RobustRound, decision_is_confirmed, inputs_digest,
+                                           sign_commitment)
+
+SIZE = 256
+
+
+class _Network:
+    """Delivers each message stream to the member it is for, after the delay set for (sender, receiver,
+    kind); a member in ``dead`` answers nothing, and a (sender, receiver, kind) in ``dropped`` never arrives."""
+
+    def __init__(self) -> None:
+        self.rounds: Dict[str, RobustRound] = {}
+        self.delays: Dict[Tuple[str, str, str], float] = {}
+        self.dropped: Set[Tuple[str, str, str]] = set()
+        self.dead: Set[str] = set()
+
+
+class _Link:
+    """The stub one member uses to reach another over :class:`_Network`."""
+
+    def __init__(self, network: _Network, sender: PeerID, receiver: PeerID):
+        self.network, self.sender, self.receiver = network, sender, receiver
+
+    async def rpc_aggregate_part(self, messages):
+        sent = [message async for message in messages]
+        kind = MSGPackSerializer.loads(sent[0].peer_id)["kind"]
+        link = (str(self.sender), str(self.receiver), kind)
+        if str(self.receiver) in self.network.dead or link in self.network.dropped:
+            raise ConnectionError(f"{link} does not arrive")
+        await asyncio.sleep(self.network.delays.get(link, 0.0))
+
+        async def stream():
+            for message in sent:
+                yield message
+        return self.network.rounds[str(self.receiver)].rpc_aggregate_part(
+            stream(), SimpleNamespace(remote_id=self.sender))
+
+
+def _members(count: int) -> List[Tuple[PeerID, object]]:
+    identities = [load_or_create_identity(None) for _ in range(count)]
+    return [(PeerID.from_base58(identity.peer_id), identity.private_key) for identity in identities]
+
+
+@pytest.fixture(scope="module")
+def members():
+    return _members(4)
+
+
+def _gradient(seed: int) -> torch.Tensor:
+    return torch.ones(SIZE) + 0.1 * torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))
+
+
+async def _play(members, network: _Network, timeout: float, chunk_timeout: float) -> List[Optional[torch.Tensor]]:
+    """One round among the live members; what each applied (None: it sat the round out)."""
+    peer_ids = [peer_id for peer_id, _ in members]
+    for index, (peer_id, key) in enumerate(members):
+        network.rounds[str(peer_id)] = RobustRound(
+            stub_for=lambda receiver, sender=peer_id: _Link(network, sender, receiver), group_id=b"group",
+            peer_ids=peer_ids, peer_id=peer_id, vector=_gradient(index), samples=16.0, key=key,
+            config=AggregationConfig(), banned=set(), timeout=timeout, chunk_timeout=chunk_timeout)
+
+    async def one(peer_id: PeerID) -> Optional[torch.Tensor]:
+        try:
+            return (await network.rounds[str(peer_id)].run()).vector
+        except IncompleteRound:
+            return None
+    live = [peer_id for peer_id in peer_ids if str(peer_id) not in network.dead]
+    return list(await asyncio.gather(*(one(peer_id) for peer_id in live)))
+
+
+def _distinct(applied: List[Optional[torch.Tensor]]) -> int:
+    results: List[torch.Tensor] = []
+    for vector in applied:
+        if vector is not None and not any(torch.equal(vector, seen) for seen in results):
+            results.append(vector)
+    return len(results)
+
+
+async def test_members_that_apply_a_round_whose_echoes_came_late_apply_the_same_inputs(members):
+    """Four members, the fourth dead after matchmaking. C's gradient never reaches B, and C's echo reaches A
+    too late: A counts the echoes of A and B only and leaves C's gradient out, while C, counting all three,
+    keeps it (B lacks it and sits out). Deciding on the echoes alone, A and C applied different results;
+    with the decision exchange neither's inputs are confirmed by a majority of the group of four, so no two
+    members apply different results."""
+    a, b, c, d = (str(peer_id) for peer_id, _ in members)
+    network = _Network()
+    network.dead.add(d)
+    network.dropped.add((c, b, "gradient"))
+    network.delays[(c, a, "echo")] = 2.0
+    applied = await _play(members, network, timeout=6.0, chunk_timeout=1.0)
+    assert applied[1] is None  # B lacks C's gradient
+    assert _distinct(applied) <= 1, [None if v is None else float(v.sum()) for v in applied]
+
+
+async def test_a_late_decision_leaves_its_receiver_out_and_the_others_apply_alike(members):
+    """All gradients and echoes arrive; only D's decision to A comes after A stops waiting. B, C and D confirm
+    each other (three of four) and apply the same result; A, unconfirmed, sits the round out."""
+    a, b, c, d = (str(peer_id) for peer_id, _ in members)
+    network = _Network()
+    network.delays[(d, a, "decision")] = 2.0
+    network.delays[(b, a, "decision")] = 2.0
+    applied = await _play(members, network, timeout=6.0, chunk_timeout=1.0)
+    assert applied[0] is None
+    assert all(vector is not None for vector in applied[1:]) and _distinct(applied) == 1
+
+
+async def test_a_round_without_late_messages_is_applied_by_everyone_alike(members):
+    applied = await _play(members, _Network(), timeout=6.0, chunk_timeout=1.0)
+    assert all(vector is not None for vector in applied) and _distinct(applied) == 1
+
+
+def test_a_decision_counts_once_a_strict_majority_of_the_group_made_it(members):
+    mine, other = "a" * 64, "b" * 64
+    assert decision_is_confirmed(mine, {}, 1)  # alone in its group
+    assert not decision_is_confirmed(mine, {}, 2)
+    assert decision_is_confirmed(mine, {"x": mine}, 2)
+    assert not decision_is_confirmed(mine, {"x": mine, "y": other, "z": other}, 4)  # two of four: no majority
+    assert decision_is_confirmed(mine, {"x": mine, "y": mine, "z": other}, 4)
+    assert not decision_is_confirmed(mine, {"x": mine}, 4)  # the silent members count against it
+
+
+def test_the_inputs_digest_covers_senders_hashes_and_claimed_samples(members):
+    (p, key), (q, other_key) = members[0], members[1]
+    one = sign_commitment(key, b"g", str(p), 16.0, SIZE, "0" * 64)
+    two = sign_commitment(other_key, b"g", str(q), 16.0, SIZE, "1" * 64)
+    digest = inputs_digest({str(p): one, str(q): two})
+    assert digest == inputs_digest({str(q): two, str(p): one})  # whatever the order
+    assert digest != inputs_digest({str(p): one})
+    assert digest != inputs_digest({str(p): one, str(q): sign_commitment(other_key, b"g", str(q), 16.0, SIZE, "2" * 64)})
+    assert digest != inputs_digest({str(p): one, str(q): sign_commitment(other_key, b"g", str(q), 15.0, SIZE, "1" * 64)})
