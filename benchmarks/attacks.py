@@ -40,6 +40,10 @@ Measured, per run:
                    online replicas (the attacker's share is not counted). For trainer attacks it includes the
                    attacker trainer's own samples that the stages refused (``samples_sent_by_attacker`` bounds it).
                    ``samples_counted_twice``: how far the most generous stage's accounting exceeds the samples sent.
+  honest_states_at_end   distinct (step, parameter digest) pairs that the attacked stage's honest replicas announce
+                   once the swarm settled: 1 when they all hold the same parameters, more when they split.
+  rounds_sat_out   robust averaging rounds an honest replica sat out (it lacked a gradient most of its group held,
+                   or no majority of the group confirmed the inputs it decided on), over all honest replicas' logs.
   attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
                    and a trainer was training; a trainer: once it was ready; ``poisoned_state``: once the
                    joiner was started, or 0 if a resyncing honest replica refused its state even earlier) to
@@ -327,10 +331,30 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "samples_accounted_by_stage": list(accounted), "samples_lost": sum(sent) - min(accounted),
         "samples_counted_twice": max(0, max(accounted) - sum(sent)),
         "global_steps": max((r.step for r in records.values() if r.peer_id in honest), default=None),
+        "honest_states_at_end": honest_states(records, run.honest_peers().get(spec.stage, [])),
+        "rounds_sat_out": sum(_count_lines(role.process.log_path, SAT_OUT) for roles in run.peers.values()
+                              for role in roles if role is not run.attacker),
         "replicas_at_end": list(counts(records, NUM_STAGES)),
         "load_average_1m": round(os.getloadavg()[0], 2),  # the machine's load: throughput figures move with it
         **exclusion(run),
     }
+
+
+SAT_OUT = "sitting this averaging round out"
+
+
+def honest_states(records, peer_ids: List[str]) -> int:
+    """Distinct (step, parameter digest) pairs the honest replicas of the attacked stage announce at the end:
+    1 when they all hold the same parameters."""
+    return len({(records[p].step, records[p].digest) for p in peer_ids if p in records})
+
+
+def _count_lines(path, text: str) -> int:
+    try:
+        with open(path, errors="replace") as f:
+            return sum(text in line for line in f)
+    except OSError:
+        return 0
 
 
 async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any]:
@@ -441,6 +465,8 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "attacker_excluded_after_s_undefended": off_.get("attacker_excluded_after_s"),
         "samples_lost": on.get("samples_lost"), "samples_lost_undefended": off_.get("samples_lost"),
         "samples_lost_clean": clean_on.get("samples_lost"),
+        "honest_states_defended": on.get("honest_states_at_end"), "honest_states_clean": clean_on.get("honest_states_at_end"),
+        "rounds_sat_out_defended": on.get("rounds_sat_out"), "rounds_sat_out_clean": clean_on.get("rounds_sat_out"),
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
         "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
@@ -468,6 +494,7 @@ TABLE = (("attack", "attack", 22), ("loss clean", "loss_clean", 10), ("loss def"
          ("loss undef", "loss_undefended", 10), ("held-out clean", "heldout_loss_clean", 14),
          ("held-out def", "heldout_loss_defended", 12), ("held-out undef", "heldout_loss_undefended", 14),
          ("excluded s", "attacker_excluded_after_s", 10), ("lost", "samples_lost", 6),
+         ("states", "honest_states_defended", 6),
          ("thr ratio", "throughput_ratio_defended_vs_clean", 9), ("undef diverged", "undefended_diverged", 14))
 
 
