@@ -366,7 +366,9 @@ class RobustRound:
         sending = asyncio.ensure_future(asyncio.gather(
             *(self._send(peer, {"kind": "decision", "inputs": digest}, (), until) for peer in self.others)))
         try:
-            while not decision_is_confirmed(digest, self.decisions, len(self.others) + 1):
+            # a banned member's word confirms nothing; the group's size stays what it is for everyone
+            while not decision_is_confirmed(digest, {m: d for m, d in self.decisions.items() if m not in self.banned},
+                                            len(self.others) + 1):
                 if set(self.decisions) >= {str(p) for p in self.others} or time.monotonic() >= until:
                     return False
                 self._decision_in.clear()
@@ -405,7 +407,7 @@ class RobustRound:
         if missing:
             raise IncompleteRound(f"most of the group holds gradients this member did not receive: {sorted(missing)}")
         if not confirmed:
-            others = sorted(self.decisions.values()).count(digest)
+            others = list(self.decisions.values()).count(digest)
             raise IncompleteRound(f"{others} of {len(self.others)} groupmates confirmed this member's inputs "
                                   f"({len(self.decisions)} decided), not a majority of the group")
         contributions = {sender: vector for sender, vector in self.received.items() if sender in agreed}
