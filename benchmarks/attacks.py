@@ -310,7 +310,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
             task.cancel()
     sent, train_s = [d["samples_sent"] for d in done], done[0]["train_s"]
     log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
-        f"drained {[d['drained'] for d in done]}")
+        f"drained {[d['drained'] for d in done]}, resent {[d.get('resent') for d in done]}")
     accounted = await settle(run, sum(sent), args.settle_timeout_s)
     losses, errors = await heldout_losses(swarm.probe, tiny_model_config(), NUM_STAGES, args.seed, spec.stage,
                                           run.honest_peers(), batches)
