@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test test-long bench clean
+.PHONY: venv demo test bench clean
 
 venv: $(VENV)/.installed
 
@@ -22,12 +22,8 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/swarm demo --config examples/demo.yaml
 
-# the live runs of a minute or more (marked `long`) are left to `make test-long`, so that `make test` stays short
 test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 -m "not long" tests
-
-test-long: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=0 -m long tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
 
 bench: venv
 	$(BIN)/python benchmarks/pipeline.py

@@ -6,7 +6,6 @@ import asyncio
 import signal
 import time
 
-import pytest
 import torch
 
 from swarm.server.checkpoints import checkpoint_path, load_checkpoint
@@ -101,7 +100,6 @@ async def stage_rate(probe, stage: int, window_s: float) -> tuple:
     return (sum(r.samples_processed for r in online(records, stage)) - first) / window_s, len(online(records, stage))
 
 
-@pytest.mark.long
 async def test_imbalanced_swarm_rebalances_and_throughput_rises(launcher, probe):
     period_s = 20.0
     # every peer emulates the same slow device (a fixed sleep per sample of backward work, which each

@@ -10,7 +10,6 @@ import uuid
 from pathlib import Path
 from typing import Sequence, Tuple
 
-import pytest
 import torch
 
 from swarm.data import load_corpus, validation_batches
@@ -68,7 +67,6 @@ async def train_and_compare(launcher, probe, extra: Sequence[str] = ()) -> Tuple
     return swarm_loss, local_loss
 
 
-@pytest.mark.long
 async def test_swarm_matches_single_process_and_int8_matches_the_uncompressed_swarm(launcher, probe, tmp_path):
     swarm_loss, local_loss = await train_and_compare(launcher, probe)
     assert abs(swarm_loss - local_loss) <= 0.05 * local_loss

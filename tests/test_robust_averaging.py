@@ -155,7 +155,6 @@ async def test_int8_rounds_leave_honest_members_identical_and_still_catch_an_equ
     assert 0 < error < 0.02, error  # lossy, within int8's error
 
 
-@pytest.mark.long
 async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_of_clean(launcher, probe):
     """Live: stage 0 has four replicas, one sending its gradients x -1000 to every round. The honest replicas
     ban it, and the model they train ends as good as single-process training on the same samples."""
