@@ -198,7 +198,10 @@ class Ledger:
         return resolution
 
     def all_held(self, records: Mapping[str, ReplicaRecord]) -> bool:
-        """Whether every open contribution sits in a live replica's current or frozen step."""
+        """Whether every open contribution sits in the step a live replica accumulates now, the replica not
+        having adopted a state since it took it. Not one in a frozen step: the step's round may go on without
+        its replica, which then drops it, so a trainer that is leaving waits until such a step is applied
+        (commit) or dropped (re-send)."""
         return all(_held(item, records.get(item.peer_id)) for item in self._open.values())
 
     def resent(self, old: Contribution, peer_id: str, step: int, resets: int = 0) -> None:
@@ -211,4 +214,4 @@ class Ledger:
 def _held(item: Contribution, record: Optional[ReplicaRecord]) -> bool:
     if record is None or record.state != "online" or record.stage != item.stage:
         return False
-    return item.step == record.accum_step or (record.samples_frozen > 0 and item.step == record.accum_step - 1)
+    return item.step == record.accum_step and record.resets == item.resets
