@@ -9,6 +9,7 @@ downloads by ``timeout`` (plus a margin), DHT reads by :func:`swarm.dht_io.fetch
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import re
 import time
@@ -197,12 +198,22 @@ def _load(module: torch.nn.Module, parameters: Dict[str, torch.Tensor]) -> None:
                 param.copy_(parameters[name])
 
 
+def parameters_hash(parameters: Dict[str, torch.Tensor]) -> str:
+    """One replica's exported parameters as a short hash: equal hashes, bit-identical parameters."""
+    digest = hashlib.sha256()
+    for name in sorted(parameters):
+        digest.update(name.encode())
+        digest.update(parameters[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 async def heldout_losses(probe: Probe, model: ModelConfig, num_stages: int, seed: int, stage: int,
                          honest: Dict[int, List[str]], batches: Batches, timeout: float = 30.0
-                         ) -> Tuple[Dict[str, float], List[str]]:
+                         ) -> Tuple[Dict[str, float], List[str], Dict[str, str]]:
     """Held-out loss through each honest replica of ``stage`` (the other stages: their first honest replica
-    that answers), computed here from the replicas' exported parameters; returns (loss by peer id, errors)."""
-    full, errors = FullModel(model, num_stages, seed), []
+    that answers), computed here from the replicas' exported parameters; returns (loss by peer id, errors,
+    :func:`parameters_hash` by peer id of ``stage``)."""
+    full, errors, hashes = FullModel(model, num_stages, seed), [], {}
     for other in (s for s in range(num_stages) if s != stage):
         for peer_id in honest.get(other, []):
             try:
@@ -211,17 +222,19 @@ async def heldout_losses(probe: Probe, model: ModelConfig, num_stages: int, seed
             except Exception as e:  # a replica that died or answers garbage: try the next
                 errors.append(f"stage {other} {peer_id[-6:]}: {type(e).__name__}: {e}")
         else:
-            return {}, errors + [f"no honest replica of stage {other} exported its parameters"]
+            return {}, errors + [f"no honest replica of stage {other} exported its parameters"], hashes
     losses: Dict[str, float] = {}
     for peer_id in honest.get(stage, []):
         try:
-            _load(full.stages[stage], await _parameters(probe, peer_id, timeout))
+            parameters = await _parameters(probe, peer_id, timeout)
+            _load(full.stages[stage], parameters)
         except Exception as e:
             errors.append(f"stage {stage} {peer_id[-6:]}: {type(e).__name__}: {e}")
             continue
+        hashes[peer_id] = parameters_hash(parameters)
         with torch.no_grad():
             losses[peer_id] = evaluate(full, batches)
-    return losses, errors
+    return losses, errors, hashes
 
 
 def finite_or_none(value: Optional[float], digits: int = 4) -> Optional[float]:

@@ -40,8 +40,9 @@ Measured, per run:
                    online replicas (the attacker's share is not counted). For trainer attacks it includes the
                    attacker trainer's own samples that the stages refused (``samples_sent_by_attacker`` bounds it).
                    ``samples_counted_twice``: how far the most generous stage's accounting exceeds the samples sent.
-  honest_states_at_end   distinct (step, parameter digest) pairs that the attacked stage's honest replicas announce
-                   once the swarm settled: 1 when they all hold the same parameters, more when they split.
+  honest_states_at_end   distinct parameter sets among the attacked stage's honest replicas, from the parameters they
+                   export for ``heldout_loss``: 1 when they are all bit-identical, more when they split (or one
+                   is still catching up).
   rounds_sat_out   robust averaging rounds an honest replica sat out (it lacked a gradient most of its group held,
                    or no majority of the group confirmed the inputs it decided on), over all honest replicas' logs.
   attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
@@ -312,7 +313,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
         f"drained {[d['drained'] for d in done]}, resent {[d.get('resent') for d in done]}")
     accounted = await settle(run, sum(sent), args.settle_timeout_s)
-    losses, errors = await heldout_losses(swarm.probe, tiny_model_config(), NUM_STAGES, args.seed, spec.stage,
+    losses, errors, hashes = await heldout_losses(swarm.probe, tiny_model_config(), NUM_STAGES, args.seed, spec.stage,
                                           run.honest_peers(), batches)
     run.errors += errors
     honest_trainer = run.trainers[0]
@@ -331,7 +332,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "samples_accounted_by_stage": list(accounted), "samples_lost": sum(sent) - min(accounted),
         "samples_counted_twice": max(0, max(accounted) - sum(sent)),
         "global_steps": max((r.step for r in records.values() if r.peer_id in honest), default=None),
-        "honest_states_at_end": honest_states(records, run.honest_peers().get(spec.stage, [])),
+        "honest_states_at_end": len(set(hashes.values())) if hashes else None,
         "rounds_sat_out": sum(_count_lines(role.process.log_path, SAT_OUT) for roles in run.peers.values()
                               for role in roles if role is not run.attacker),
         "replicas_at_end": list(counts(records, NUM_STAGES)),
@@ -341,12 +342,6 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
 
 
 SAT_OUT = "sitting this averaging round out"
-
-
-def honest_states(records, peer_ids: List[str]) -> int:
-    """Distinct (step, parameter digest) pairs the honest replicas of the attacked stage announce at the end:
-    1 when they all hold the same parameters."""
-    return len({(records[p].step, records[p].digest) for p in peer_ids if p in records})
 
 
 def _count_lines(path, text: str) -> int:
