@@ -40,3 +40,37 @@ def test_bad_state_is_refused_and_nothing_changes(damage):
     with pytest.raises(ValueError):
         target.load_state(metadata, tensors)
     assert all(torch.equal(a, b) for a, b in zip(before, target.params))
+
+
+# ---- a frozen step the stage applied without this replica ----
+
+PLAIN = RunConfig(num_stages=2, target_batch_size=8, model=RUN.model, defences=False)
+
+
+def _frozen_then_adopting(adopted_step: int, missed: bool):
+    """A replica that froze step 0 with one micro-batch of 4 samples, and a state at ``adopted_step``."""
+    source, target = StageRunner(PLAIN, 0), StageRunner(PLAIN, 0)
+    source.step = adopted_step
+    grads = [torch.ones_like(p) for p in target.params]
+    target._accumulate("t/mb1", 4, grads)
+    target.freeze()
+    if missed:
+        target.missed()
+    target.load_state(source.state_metadata(), source.state_tensors())
+    return target, grads
+
+
+def test_a_step_the_stage_applied_without_this_replica_is_kept_for_the_adopted_next_one():
+    target, grads = _frozen_then_adopting(1, missed=True)
+    assert target.step == target.accum_step == 1 and target.frozen is None
+    assert target.samples_pending == 4 and target.pending_ids == {"t/mb1"}
+    assert all(torch.equal(acc, 4 * g) for acc, g in zip(target.grad_sum, grads))
+    assert target.resets == 1 and target.reset_from == 0  # trainers still learn that step 0 did not take it
+    assert target._accumulate("t/mb1", 4, grads) == 1 and target.samples_pending == 4  # its re-send counts once
+
+
+@pytest.mark.parametrize("adopted_step, missed", [(1, False), (2, True)], ids=["not_missed", "two_steps_on"])
+def test_other_adoptions_drop_what_the_replica_held(adopted_step, missed):
+    target, _ = _frozen_then_adopting(adopted_step, missed)
+    assert target.step == adopted_step and target.samples_pending == 0 and not target.pending_ids
+    assert all(not acc.any() for acc in target.grad_sum)

@@ -62,6 +62,7 @@ class FrozenStep:
     samples: int
     mean_grads: List[torch.Tensor]
     micro_batch_ids: Set[str] = field(default_factory=set)
+    missed: bool = False  # the stage applied this step without this replica's gradients (see StageRunner.missed)
 
 
 class ThroughputMeter:
@@ -504,6 +505,14 @@ class StageRunner:
                 reply["samples_pending"] = self.samples_pending
             return reply
 
+    def missed(self) -> None:
+        """Mark the frozen step as one the stage applied without this replica: if the state adopted next is
+        the very next step, its gradients are kept for that step (one step stale) instead of dropped, so
+        that samples whose trainer has already left are not lost."""
+        with self.lock:
+            if self.frozen is not None:
+                self.frozen.missed = True
+
     def state_metadata(self) -> Dict[str, int]:
         return {"stage": self.stage_index, "step": self.step, "samples_applied": self.samples_applied}
 
@@ -538,7 +547,17 @@ class StageRunner:
             self.grad_sum = [torch.zeros_like(p) for p in self.params]
             self.samples_pending, self.pending_ids = 0, set()
             self._deferred = []
+            kept = self.frozen if self.frozen is not None and self.frozen.missed and new_step == self.frozen.step + 1 else None
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None
+            if kept is not None and kept.samples:
+                # the step the stage applied without us: its gradients go into the adopted step's successor.
+                # A trainer still re-sends them (the reset says they were dropped), and its re-send to this
+                # replica is then recognised by id, and lands in this step
+                for acc, grad in zip(self.grad_sum, kept.mean_grads):
+                    acc.add_(grad, alpha=kept.samples)
+                self.samples_pending, self.pending_ids = kept.samples, set(kept.micro_batch_ids)
+                logger.info(f"{self.where}: kept the {kept.samples} samples of step {kept.step}, which the stage "
+                            f"applied without them, for step {new_step}")
             self._parameters_changed()
