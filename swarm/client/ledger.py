@@ -19,10 +19,8 @@ asked about it, and only what P itself says about s counts first (:func:`decide`
   live replicas are asked which peers step s averaged (RPC ``step_members``); a strict majority
   of those that know s decides; if none knows s yet the trainer waits, and once P has been
   gone long enough with nobody knowing s, P died before its step closed: re-sent.
-A re-sent contribution goes back to the replica that held it while that one is eligible (it may
-have kept it across an adoption, the gradients of a step the stage applied without it going into
-the next one), else to any live replica of the stage, which adds it to its current step; replicas
-ignore a micro-batch id already in their current or frozen step.
+A re-sent contribution goes to any live replica of the stage, which adds it to its current
+step; replicas ignore a micro-batch id already in their current or frozen step.
 Pure: no I/O; the trainer reads the records and asks the replicas.
 """
 

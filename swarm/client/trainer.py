@@ -212,9 +212,7 @@ class Trainer:
 
     async def _resend(self, item: Contribution, key: Tuple[str, int]) -> None:
         try:
-            # to the replica that held it first while it is eligible: one that kept it across a state adoption
-            # (swarm.server.runner.StageRunner.missed) knows it by id, so it counts once
-            await self.client.backward(item, resend=True, prefer=item.peer_id)
+            await self.client.backward(item, resend=True)
             logger.info(f"re-sent {item.micro_batch_id} ({item.samples} samples) to stage {item.stage}")
         except Exception as e:  # a stage without live replicas, a timeout: the next refresh tries again
             logger.warning(f"re-sending {item.micro_batch_id} to stage {item.stage} failed, will retry: {e}")

@@ -117,8 +117,7 @@ def preferred_replica(eligible: Sequence[PeerInfo], prefer: Optional[str]) -> Op
 
     A stage's backward goes back to the replica that ran the micro-batch's forward (``prefer``),
     which may still hold the forward's graph and then skips recomputing it; the draw already
-    weighed that replica's throughput when it got the forward. A re-sent backward goes back to the
-    replica that held it, which may have kept it across a state adoption. Only an eligible replica (online,
+    weighed that replica's throughput when it got the forward. Only an eligible replica (online,
     not banned, not excluded after a failed try) is preferred: a dead or banned one costs
     nothing more than a recomputation elsewhere."""
     if prefer is None:

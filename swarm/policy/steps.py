@@ -32,7 +32,7 @@ __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
     "overclaimers", "absent_claimants", "clock_step", "stage_mates", "min_group_size", "majority_group",
-    "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over", "keeps_missed_gradients",
+    "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over",
     "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
 ]
 
@@ -212,18 +212,6 @@ def round_is_over(view: StageView) -> bool:
     no majority and changes nothing here."""
     majority = majority_state(view)
     return majority is not None and majority[0] > view.step
-
-
-def keeps_missed_gradients(frozen_step: int, missed: bool, carried: bool, adopted_step: int) -> bool:
-    """Whether a replica that adopts the stage's state at ``adopted_step`` keeps the gradients of its frozen
-    step ``frozen_step`` for the step it accumulates next, instead of dropping them.
-
-    Only for a step the stage applied without them (``missed``: the replica gave up looking for a group once
-    most of the stage was past it, so no groupmate got them) and only when the adopted state is that step's
-    successor: the gradients are then one step stale, as they would be in any asynchronous step. Not when
-    they already hold gradients kept this way (``carried``), so none gets staler than one step; what is
-    dropped, its trainer re-sends if it is still there."""
-    return missed and not carried and adopted_step == frozen_step + 1
 
 
 def step_alone(failed_rounds: int, max_failed_rounds: int, view: Optional[StageView] = None) -> bool:

@@ -243,7 +243,7 @@ class StageAverager(DecentralizedAverager):
         quickly that a replica died and go on without it. A group smaller than ``min_group_size`` is
         disbanded instead of averaged. ``give_up``: once the awaitable it makes completes, a search for a
         group that has not found one yet is called off (a group already averaging is waited for: its members
-        need our part), and :class:`RoundGivenUp` is raised: no groupmate got this replica's gradients."""
+        need our part)."""
         if min_group_size < 2:
             raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
         self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(min_group_size))))
@@ -257,8 +257,6 @@ class StageAverager(DecentralizedAverager):
             control = self.step(gather=gather, weight=weight, timeout=matchmaking_timeout,
                                 wait=False, allow_retries=False)
             gathered = await await_round(control, timeout + 5, give_up)
-        except RoundGivenUp:
-            raise
         except Exception as e:
             logger.info(f"averaging step {step} failed: {type(e).__name__}: {e}")
             return None

@@ -36,7 +36,6 @@ from swarm.config import RunConfig
 from swarm.model import StageModule, build_stage
 from swarm.optimizer import batch_share, make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
-from swarm.policy.steps import keeps_missed_gradients
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
 from swarm.server.merged_backward import merged_backward, predictive_entropy
 
@@ -63,8 +62,6 @@ class FrozenStep:
     samples: int
     mean_grads: List[torch.Tensor]
     micro_batch_ids: Set[str] = field(default_factory=set)
-    missed: bool = False  # the stage applied this step without this replica's gradients (see StageRunner.missed)
-    carried: bool = False  # it holds gradients kept from an earlier missed step: they are not kept again
 
 
 class ThroughputMeter:
@@ -144,7 +141,6 @@ class StageRunner:
         self.samples_pending = 0
         self.pending_ids: Set[str] = set()
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
-        self.carried = False  # grad_sum holds gradients kept from a missed step (see missed())
         self.frozen: Optional[FrozenStep] = None
         self.digest = self._digest()
         self.params_version = 0  # bumped whenever the parameters change: a cached graph must match it
@@ -395,9 +391,9 @@ class StageRunner:
             self._settle_deferred()
             samples = self.samples_pending
             mean = [g / samples if samples else torch.zeros_like(g) for g in self.grad_sum]
-            self.frozen = FrozenStep(self.accum_step, samples, mean, set(self.pending_ids), carried=self.carried)
+            self.frozen = FrozenStep(self.accum_step, samples, mean, set(self.pending_ids))
             self.grad_sum = [torch.zeros_like(p) for p in self.params]
-            self.samples_pending, self.pending_ids, self.carried = 0, set(), False
+            self.samples_pending, self.pending_ids = 0, set()
             self.accum_step += 1
             if self.guard is not None:
                 self._log_clips(*self.guard.start_step(self.accum_step))
@@ -508,15 +504,6 @@ class StageRunner:
                 reply["samples_pending"] = self.samples_pending
             return reply
 
-    def missed(self) -> None:
-        """Mark the frozen step as one the stage applied without this replica: if the state adopted next is
-        the very next step, its gradients are kept for that step (one step stale) instead of dropped, so
-        that samples whose trainer has already left are not lost. Once only: a step that holds kept
-        gradients is dropped if it is missed too, so that no gradient gets staler than one step."""
-        with self.lock:
-            if self.frozen is not None:
-                self.frozen.missed = True
-
     def state_metadata(self) -> Dict[str, int]:
         return {"stage": self.stage_index, "step": self.step, "samples_applied": self.samples_applied}
 
@@ -549,21 +536,9 @@ class StageRunner:
             self.resets, self.reset_from = self.resets + 1, min(lowest + ([dropped_from] if dropped_from is not None else []))
             # what we accumulated was computed on parameters we give up: drop it (trainers re-send it)
             self.grad_sum = [torch.zeros_like(p) for p in self.params]
-            self.samples_pending, self.pending_ids, self.carried = 0, set(), False
+            self.samples_pending, self.pending_ids = 0, set()
             self._deferred = []
-            frozen = self.frozen
-            kept = frozen if frozen is not None and keeps_missed_gradients(
-                frozen.step, frozen.missed, frozen.carried, new_step) else None
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None
-            if kept is not None and kept.samples:
-                # the step the stage applied without us: its gradients go into the step accumulated now.
-                # A trainer still re-sends them (the reset says they were dropped), and its re-send to this
-                # replica is then recognised by id, and lands in this step
-                for acc, grad in zip(self.grad_sum, kept.mean_grads):
-                    acc.add_(grad, alpha=kept.samples)
-                self.samples_pending, self.pending_ids, self.carried = kept.samples, set(kept.micro_batch_ids), True
-                logger.info(f"{self.where}: kept the {kept.samples} samples of step {kept.step}, which the stage "
-                            f"applied without them, for step {new_step}")
             self._parameters_changed()

@@ -25,7 +25,6 @@ from swarm.policy.steps import (
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
 )
-from swarm.server.averaging import RoundGivenUp
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
@@ -206,14 +205,10 @@ class StepCoordinator:
         over = asyncio.Event()
         # with one mate, a majority past this step would have to include this replica: nothing to watch for
         watch = (lambda: self._until_round_is_over(over)) if len(mates) >= 2 else None
-        try:
-            result = await peer.averager.average(
-                frozen.step, frozen.mean_grads, frozen.samples, gather,
-                matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
-                min_group_size=min_group_size(view), give_up=watch)
-        except RoundGivenUp:
-            peer.runner.missed()  # no groupmate got these gradients: the next step may take them
-            result = None
+        result = await peer.averager.average(
+            frozen.step, frozen.mean_grads, frozen.samples, gather,
+            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
+            min_group_size=min_group_size(view), give_up=watch)
         if result is None and over.is_set():
             logger.info(f"stage {peer.stage}: most of the stage applied step {frozen.step} without this replica; "
                         f"catching up")
