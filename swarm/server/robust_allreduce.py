@@ -399,7 +399,10 @@ class RobustRound:
         held_by = {**{m: h for m, h in self.held_by.items() if m not in self.banned}, me: set(self.received) | {me}}
         agreed = agreed_contributions(held_by)
         banned, equivocated = set(self.banned), equivocators(self.seen)
-        digest = inputs_digest({sender: self.signed[sender] for sender in agreed - banned - equivocated})
+        # the commitment a gradient came with where this member holds it (its claim is what gets aggregated),
+        # the one it saw echoed otherwise
+        digest = inputs_digest({sender: self.commitments.get(sender) or self.signed[sender]
+                                for sender in agreed - banned - equivocated})
         confirmed = await self._decide(digest)  # this member's decision counts for the others even if it sits out
         if me not in agreed:
             raise IncompleteRound("most of the group did not receive this member's gradient")
