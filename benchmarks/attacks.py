@@ -85,8 +85,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _swarm import FAST_PEER, TINY_MODEL, counts, install_signal_handlers, log, make_log_dir  # noqa: E402
 from _attacks_roles import (ATTACKS, Attack, AttackSwarm, finite_or_none, first_exclusion, heldout_batches,  # noqa: E402
-                            heldout_losses, honest_accounted, initial_loss, tail_mean, tiny_model_config,
-                            trainer_losses)
+                            heldout_losses, honest_accounted, initial_loss, read_log, tail_mean,
+                            tiny_model_config, trainer_losses)
 from peers.launcher import RoleProcess  # noqa: E402
 
 NUM_STAGES = 2
@@ -313,8 +313,8 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
         f"drained {[d['drained'] for d in done]}, resent {[d.get('resent') for d in done]}")
     accounted = await settle(run, sum(sent), args.settle_timeout_s)
-    losses, errors, hashes = await heldout_losses(swarm.probe, tiny_model_config(), NUM_STAGES, args.seed, spec.stage,
-                                          run.honest_peers(), batches)
+    losses, errors, hashes = await heldout_losses(swarm.probe, tiny_model_config(), NUM_STAGES, args.seed,
+                                                  spec.stage, run.honest_peers(), batches)
     run.errors += errors
     honest_trainer = run.trainers[0]
     loss = tail_mean(trainer_losses(honest_trainer.process.log_path), honest_trainer.ready_at,
@@ -333,8 +333,8 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "samples_counted_twice": max(0, max(accounted) - sum(sent)),
         "global_steps": max((r.step for r in records.values() if r.peer_id in honest), default=None),
         "honest_states_at_end": len(set(hashes.values())) if hashes else None,
-        "rounds_sat_out": sum(_count_lines(role.process.log_path, SAT_OUT) for roles in run.peers.values()
-                              for role in roles if role is not run.attacker),
+        "rounds_sat_out": sum(SAT_OUT in line.message for roles in run.peers.values() for role in roles
+                              if role is not run.attacker for line in read_log(role.process.log_path)),
         "replicas_at_end": list(counts(records, NUM_STAGES)),
         "load_average_1m": round(os.getloadavg()[0], 2),  # the machine's load: throughput figures move with it
         **exclusion(run),
@@ -342,14 +342,6 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
 
 
 SAT_OUT = "sitting this averaging round out"
-
-
-def _count_lines(path, text: str) -> int:
-    try:
-        with open(path, errors="replace") as f:
-            return sum(text in line for line in f)
-    except OSError:
-        return 0
 
 
 async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any]:
