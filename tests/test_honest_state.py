@@ -296,21 +296,26 @@ def test_a_checkpoint_with_non_finite_values_is_refused(tmp_path):
 
 @pytest.mark.parametrize("defences", [True, False], ids=["defended", "undefended"])
 async def test_joiner_meets_a_poisoned_state_server(launcher, probe, defences: bool):
-    """The poisoner is the stage's only replica, so the joiner's download goes to it whatever the order."""
+    """The poisoner is the stage's only replica, so the joiner's download goes to it whatever the order.
+
+    What the poisoner holds is read before the joiner starts: without defences the poisoner, finding its digest
+    differs from the joiner's, may resynchronise from the joiner and so take the poisoned state on itself.
+    """
     run = [] if defences else ["--defences", "false"]
     poisoner = launcher.peer(0, extra=["--fault", "poisoned_state", *run], name="poisoner")
     poisoner_id = poisoner.wait_event("peer_ready", timeout=1)["peer_id"]
+    before = await probe.wait_for(lambda r: len(online(r, 0)) == 1, 15, "the poisoner online")
+    truth = await probe.call(poisoner_id, "parameters", {})  # what it holds, not what it serves
     joiner = launcher.peer(0, extra=run, name="joiner")
     joiner_id = joiner.wait_event("peer_ready", timeout=1)["peer_id"]
-    records = await probe.wait_for(lambda r: len(online(r, 0)) == 2, 15, "both replicas online")
-    truth = await probe.call(poisoner_id, "parameters", {})  # what it holds, not what it serves
+    records = await probe.wait_for(lambda r: joiner_id in {x.peer_id for x in online(r, 0)}, 15, "the joiner online")
     joined = await probe.call(joiner_id, "parameters", {})
     assert all(bool(torch.isfinite(p).all()) for p in joined["parameters"]) and joined["step"] == truth["step"] == 0
     distance = max((a - b).abs().max().item() for a, b in zip(joined["parameters"], truth["parameters"]))
     log = joiner.log_tail(400)
     if defences:
-        assert records[joiner_id].digest == records[poisoner_id].digest and distance == 0.0
+        assert records[joiner_id].digest == before[poisoner_id].digest and distance == 0.0
         assert f"refusing the state downloaded from {poisoner_id}: its parameters hash to" in log
     else:  # the harm: the joiner serves the poisoned parameters, and its digest no longer matches
-        assert records[joiner_id].digest != records[poisoner_id].digest and distance > 1.0
+        assert records[joiner_id].digest != before[poisoner_id].digest and distance > 1.0
         assert "refusing the state" not in log
