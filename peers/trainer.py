@@ -32,9 +32,10 @@ def report(trainer) -> None:
         logger.info(_progress_line(trainer))
 
 
-async def drain_unless_stopped_again(trainer, stop: asyncio.Event, timeout_s: float = 30.0) -> bool:
-    """Wait (at most ``timeout_s``) until every sample sent is held by a live replica, so that leaving loses
-    none; a second SIGTERM or Ctrl-C leaves at once. Whether everything was held when it returned."""
+async def drain_unless_stopped_again(trainer, stop: asyncio.Event, timeout_s: float = 60.0) -> bool:
+    """Wait (at most ``timeout_s``) until every sample sent is applied, or held by a live replica in a step the
+    swarm has not closed yet, so that leaving loses none; a second SIGTERM or Ctrl-C leaves at once. Whether
+    everything was so when it returned."""
     stop.clear()
     draining = asyncio.create_task(trainer.drain(timeout_s=timeout_s))
     again = asyncio.create_task(stop.wait())

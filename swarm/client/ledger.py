@@ -197,12 +197,14 @@ class Ledger:
                 resolution.ask.add((item.stage, item.step))
         return resolution
 
-    def all_held(self, records: Mapping[str, ReplicaRecord]) -> bool:
+    def all_held(self, records: Mapping[str, ReplicaRecord], clock_step: Optional[int] = None) -> bool:
         """Whether every open contribution sits in the step a live replica accumulates now, the replica not
-        having adopted a state since it took it. Not one in a frozen step: the step's round may go on without
-        its replica, which then drops it, so a trainer that is leaving waits until such a step is applied
-        (commit) or dropped (re-send)."""
-        return all(_held(item, records.get(item.peer_id)) for item in self._open.values())
+        having adopted a state since it took it, and the step is still open on the clock stage (``clock_step``:
+        the steps it has applied; None: unknown). Not one in a frozen step, nor in a step the clock already
+        closed, which its stage will close next: that round may go on without the replica, which then drops
+        what it held, so a trainer that is leaving waits until such a step is applied (commit) or dropped
+        (re-send)."""
+        return all(_held(item, records.get(item.peer_id), clock_step) for item in self._open.values())
 
     def resent(self, old: Contribution, peer_id: str, step: int, resets: int = 0) -> None:
         """Record that ``old`` now lives in ``peer_id``'s step ``step`` (taken at its ``resets``-th state)."""
@@ -211,7 +213,8 @@ class Ledger:
         self.add(old)
 
 
-def _held(item: Contribution, record: Optional[ReplicaRecord]) -> bool:
+def _held(item: Contribution, record: Optional[ReplicaRecord], clock_step: Optional[int]) -> bool:
     if record is None or record.state != "online" or record.stage != item.stage:
         return False
-    return item.step == record.accum_step and record.resets == item.resets
+    still_open = clock_step is None or item.step >= clock_step
+    return item.step == record.accum_step and record.resets == item.resets and still_open

@@ -39,6 +39,7 @@ from swarm.metrics import MetricsServer, start_metrics_server, trainer_registry
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
+from swarm.policy.steps import clock_step
 from swarm.policy.verification import VerificationPolicy
 from swarm.records import (
     AccusationRecord, PeerRecord, TrainerRecord, accusations_key, excluded_by, to_peer_infos, trainers_key,
@@ -259,6 +260,11 @@ class Trainer:
             except Exception:
                 logger.exception("refreshing the swarm snapshot failed")
 
+    def _clock_step(self) -> Optional[int]:
+        """The steps the clock stage (the last) has applied, as its replicas announce them; None if none is online."""
+        steps = self._announced_steps(self.run.num_stages - 1)
+        return clock_step(steps) if steps else None
+
     def _announced_steps(self, stage: int) -> List[int]:
         return [r.step for r in self.records.values() if r.stage == stage and r.state == "online"]
 
@@ -347,11 +353,12 @@ class Trainer:
         return sum(losses) / len(losses)
 
     async def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait until nothing needs re-sending: every contribution is committed or pending at a live replica."""
+        """Wait until nothing needs re-sending: every contribution is committed, or pending at a live replica in
+        a step the clock stage has not closed (:meth:`Ledger.all_held`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             await self.refresh()
-            if not self._resending and self.ledger.all_held(self.records):
+            if not self._resending and self.ledger.all_held(self.records, self._clock_step()):
                 return True
             await asyncio.sleep(self.config.refresh_period_s)
         return False
