@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
-    must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
+    must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, rounds_before_stepping_alone, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
     round_is_over, unborne_step_claims,
 )
 
@@ -94,6 +94,19 @@ def test_a_lone_replica_steps_alone_after_failed_rounds():
     assert step_alone(failed_rounds=2, max_failed_rounds=2)
     silent = view(others=(claim(peer_id="A"), claim(peer_id="C")))
     assert step_alone(2, 2, silent)
+
+
+def test_a_replica_whose_state_the_majority_holds_tries_more_rounds_before_stepping_alone():
+    # A, C and D froze the same step from the same state: a round without a group was a matchmaking miss
+    same = view(others=(claim(peer_id="A"), claim(peer_id="C"), claim(peer_id="D")))
+    assert rounds_before_stepping_alone(same, 2) == 4
+    assert not step_alone(3, rounds_before_stepping_alone(same, 2), same)
+    # they already failed to average a step alone with it: gone or stuck, one round is enough
+    assert rounds_before_stepping_alone(same, 2, mates_silent=True) == 1
+    # no majority holds its state (two of four went elsewhere), or it has no mates: the usual count
+    split = view(others=(claim(peer_id="A"), claim(peer_id="C", digest="x3"), claim(peer_id="D", digest="y3")))
+    assert rounds_before_stepping_alone(split, 2) == 2
+    assert rounds_before_stepping_alone(view(), 2) == 2
 
 
 def test_a_replica_the_stage_went_past_does_not_step_alone():

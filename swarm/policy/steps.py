@@ -31,7 +31,7 @@ from typing import Collection, Mapping, Optional, Sequence, Set, Tuple
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "absent_claimants", "clock_step", "stage_mates", "min_group_size", "majority_group",
+    "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size", "majority_group",
     "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over",
     "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
 ]
@@ -224,6 +224,22 @@ def step_alone(failed_rounds: int, max_failed_rounds: int, view: Optional[StageV
     if view is not None and needs_resync(view):
         return False
     return failed_rounds >= max_failed_rounds
+
+
+def rounds_before_stepping_alone(view: StageView, max_failed_rounds: int, mates_silent: bool = False) -> int:
+    """How many averaging rounds without a group a replica tries before it applies its frozen step alone.
+
+    ``max_failed_rounds`` normally; one when every stage-mate already failed to average a step alone
+    with it (``mates_silent``: they are gone or stuck, not busy). Twice as many while a strict majority of
+    the stage announces this replica's own state (:func:`majority_state`): those replicas froze the same
+    step and look for the same group, so a round that found none was a matchmaking miss (under load,
+    members start their search seconds apart), and stepping alone would split the stage into lineages
+    that no majority holds, which it then takes a long time to reunite."""
+    if mates_silent:
+        return 1
+    if stage_mates(view) and majority_state(view) == (view.step, view.digest):
+        return 2 * max_failed_rounds
+    return max_failed_rounds
 
 
 def min_group_size(view: StageView) -> int:

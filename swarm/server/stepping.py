@@ -19,8 +19,8 @@ from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
-    min_group_size, must_wait, near_target, needs_resync, overclaimers, round_is_over, stage_mates, step_alone,
-    step_is_due, trusted_others, unborne_step_claims,
+    min_group_size, must_wait, near_target, needs_resync, overclaimers, round_is_over, rounds_before_stepping_alone,
+    stage_mates, step_alone, step_is_due, trusted_others, unborne_step_claims,
 )
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
@@ -219,7 +219,7 @@ class StepCoordinator:
         if result is None:
             self._failed_rounds += 1
             # replicas that already failed to average a step alone with us get one round, not several
-            limit = 1 if {c.peer_id for c in mates} <= self._silent else MAX_FAILED_ROUNDS
+            limit = rounds_before_stepping_alone(view, MAX_FAILED_ROUNDS, {c.peer_id for c in mates} <= self._silent)
             if step_alone(self._failed_rounds, limit, view):
                 logger.warning(f"stage {peer.stage}: no replica averaged step {frozen.step} in {self._failed_rounds} "
                                f"rounds; applying it alone")

@@ -44,7 +44,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
     ReplicaClaim, StageView, absent_claimants, distrust_seconds, majority_state, must_wait, near_target, needs_resync,
-    others_pending, others_reserved, overclaimers, step_alone, step_is_due, trusted_others,
+    others_pending, others_reserved, overclaimers, rounds_before_stepping_alone, step_alone, step_is_due, trusted_others,
 )
 from swarm.simulate.config import StepSimConfig
 
@@ -433,7 +433,10 @@ class StepSim:
             return
         replica = stage.replicas[members[0]]
         replica.failed_rounds += 1
-        if step_alone(replica.failed_rounds, self.config.max_failed_rounds):
+        claims = tuple(self._claim_of(r) for r in stage.replicas.values())
+        limit = rounds_before_stepping_alone(self._view(stage, replica, claims, self._clock_steps()),
+                                             self.config.max_failed_rounds)
+        if step_alone(replica.failed_rounds, limit):
             self.report.steps_alone += 1
             self._distrust(stage, stage.round.others, transient=True)
             self._apply(stage, members)
