@@ -43,6 +43,10 @@ Measured, per run:
   honest_states_at_end   distinct parameter sets among the attacked stage's honest replicas, from the parameters they
                    export for ``heldout_loss``: 1 when they are all bit-identical, more when they split (or one
                    is still catching up).
+  loss_first, loss_peak   trainer0's first logged loss and the largest it logged: a run the attack sends backwards
+                   peaks above where it started, even where the honest replicas pull it back later.
+  attacker_rounds  averaging rounds the attacking replica completed (its log), beside ``global_steps``: an attack
+                   only acts on the steps whose round it joined.
   rounds_sat_out   robust averaging rounds an honest replica sat out (it lacked a gradient most of its group held,
                    or no majority of the group confirmed the inputs it decided on), over all honest replicas' logs.
   attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
@@ -74,6 +78,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import sys
 import time
 import uuid
@@ -317,14 +322,20 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
                                                   spec.stage, run.honest_peers(), batches)
     run.errors += errors
     honest_trainer = run.trainers[0]
-    loss = tail_mean(trainer_losses(honest_trainer.process.log_path), honest_trainer.ready_at,
-                     honest_trainer.ready_at + train_s, LOSS_TAIL)
+    series = trainer_losses(honest_trainer.process.log_path)
+    loss = tail_mean(series, honest_trainer.ready_at, honest_trainer.ready_at + train_s, LOSS_TAIL)
+    attacker_rounds = None
+    if run.attacker is not None and not spec.attack.by_trainer:
+        attacker_rounds = sum(ROUND_DONE.search(line.message) is not None
+                              for line in read_log(run.attacker.process.log_path))
     heldout = None if not losses else (max(losses.values()) if all(map(math.isfinite, losses.values())) else math.nan)
     honest = {p for ids in run.honest_peers().values() for p in ids}
     records = await swarm.probe.records()
     return {
         "label": spec.label, "defences": spec.defences,
         "loss": loss, "heldout_loss": heldout,
+        "loss_first": series[0][1] if series else None, "loss_peak": max((v for _, v in series), default=None),
+        "attacker_rounds": attacker_rounds,
         "heldout_losses": {p[-6:]: finite_or_none(v) for p, v in losses.items()},
         "throughput_samples_per_s": round(sent[0] / train_s, 2) if train_s > 0 else None, "train_s": train_s,
         "samples_sent": sum(sent),
@@ -342,6 +353,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
 
 
 SAT_OUT = "sitting this averaging round out"
+ROUND_DONE = re.compile(r"averaging step \d+ done")
 
 
 async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any]:
@@ -462,6 +474,8 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in runs_on],
                               "off": [r.get("throughput_samples_per_s") for r in runs_off]},
         "undefended_diverged": _diverged(off, initial),
+        "loss_first_undefended": off_.get("loss_first"), "loss_peak_undefended": off_.get("loss_peak"),
+        "global_steps_undefended": off_.get("global_steps"), "attacker_rounds_undefended": off_.get("attacker_rounds"),
         "runs": {"defended": on, "undefended": off},
     }
 
