@@ -410,9 +410,9 @@ class RobustRound:
         if missing:
             raise IncompleteRound(f"most of the group holds gradients this member did not receive: {sorted(missing)}")
         if not confirmed:
-            others = list(self.decisions.values()).count(digest)
+            others = sum(d == digest for m, d in self.decisions.items() if m not in self.banned)
             raise IncompleteRound(f"{others} of {len(self.others)} groupmates confirmed this member's inputs "
-                                  f"({len(self.decisions)} decided), not a majority of the group")
+                                  f"({len(self.decisions)} decided, banned ones not counted), not a majority of the group")
         contributions = {sender: vector for sender, vector in self.received.items() if sender in agreed}
         contributions[me] = self.contribution
         claims = {sender: c.samples for sender, c in self.commitments.items()}
