@@ -61,6 +61,8 @@ Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on; the rep
 and undefended runs, ``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack
 run over the median of the clean defended runs of the same shape), ``undefended_diverged`` (the undefended
 run's held-out loss is not finite or no better than the initialisation's, or its trainer loss is not finite),
+``undefended_progress_lost`` (the share of the clean run's held-out improvement over the initialisation that
+the undefended run did not make: 0 as good as clean, 1 no better than the initialisation; a NaN run counts 1),
 and ``clean_throughput_ratio_on_vs_off``: the median clean throughput with the defences on over the median
 without them, for the attack's swarm shape (every clean throughput is in ``clean_throughputs``).
 
@@ -421,6 +423,14 @@ def _diverged(run: Optional[Dict[str, Any]], initial: float) -> Optional[bool]:
                 or (loss is not None and not math.isfinite(loss)))
 
 
+def _progress_lost(heldout: Optional[float], clean: Optional[float], initial: float) -> Optional[float]:
+    """The share of the clean run's held-out improvement over the initialisation that a run did not make:
+    0 = as good as clean, 1 = no better than the initialisation, above 1 = worse (1 if not finite)."""
+    if heldout is None or clean is None or not math.isfinite(clean) or initial - clean <= 0:
+        return None
+    return 1.0 if not math.isfinite(heldout) else round((heldout - clean) / (initial - clean), 3)
+
+
 def shape(attack: Attack, args) -> str:
     other = 1 - attack.stage
     attacker = "no faulty replica" if attack.by_trainer else "1 attacker"
@@ -474,6 +484,7 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in runs_on],
                               "off": [r.get("throughput_samples_per_s") for r in runs_off]},
         "undefended_diverged": _diverged(off, initial),
+        "undefended_progress_lost": _progress_lost(off_.get("heldout_loss"), clean_on.get("heldout_loss"), initial),
         "loss_first_undefended": off_.get("loss_first"), "loss_peak_undefended": off_.get("loss_peak"),
         "global_steps_undefended": off_.get("global_steps"), "attacker_rounds_undefended": off_.get("attacker_rounds"),
         "runs": {"defended": on, "undefended": off},
