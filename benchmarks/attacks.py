@@ -35,6 +35,10 @@ Measured, per run:
                    replies cannot lie to it. ``heldout_loss_initial`` is the same for the run's initialisation.
   throughput       trainer0's samples sent per second of its training time (``train_s`` of its done event: from
                    its first micro-batch to its last, without the drain; the same honest trainer in every run).
+  peer_cpu_ms_per_sample   CPU the stage peers and the bootstrap (with their p2pd daemons and helpers) spent from
+                   trainers ready to trainers done, per sample sent: what the defences cost on a machine whose
+                   cores are the limit, steadier between runs than samples/s (``clean_peer_cpu_ratio_off_vs_on``:
+                   the median without the defences over the median with them; 1 = they cost nothing).
   samples_lost     samples the trainers sent minus the samples the stages account for once the swarm settled:
                    MIN over stages of (largest samples_applied + samples pending + frozen) over the stage's honest
                    online replicas (the attacker's share is not counted). For trainer attacks it includes the
@@ -90,6 +94,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _roles import cpu_seconds_by_kind  # noqa: E402
 from _swarm import FAST_PEER, TINY_MODEL, counts, install_signal_handlers, log, make_log_dir  # noqa: E402
 from _attacks_roles import (ATTACKS, Attack, AttackSwarm, finite_or_none, first_exclusion, heldout_batches,  # noqa: E402
                             heldout_losses, honest_accounted, initial_loss, read_log, tail_mean,
@@ -305,9 +310,19 @@ def exclusion(run: Run) -> Dict[str, Any]:
             "exclusion_evidence": f"{name}: {line.message[:200]}"}
 
 
+def peers_cpu_seconds(swarm: AttackSwarm) -> float:
+    """CPU seconds used so far by every role but the trainers (stage peers, the bootstrap, their p2pd
+    daemons and helper processes). Trainers are left out because they exit as soon as they are done, and the
+    CPU of an exited process can no longer be read; the defences' work (robust rounds, verification re-runs,
+    clipping) runs in the peers."""
+    roles = {p.name: p.pid for p in swarm.processes if p.role != "train"}
+    return sum(cpu_seconds_by_kind(roles).values())
+
+
 async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     """From trainers ready to the figures of the run: trainers' results, accounting, held-out loss, logs."""
     spec, swarm = run.spec, run.swarm
+    cpu_start = peers_cpu_seconds(swarm)
     tasks = [asyncio.create_task(report_progress(run))]
     if spec.attack is not None and spec.attack.late_joiner:
         tasks.append(asyncio.create_task(late_join(run, args)))
@@ -316,6 +331,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     finally:
         for task in tasks:
             task.cancel()
+    peer_cpu_s = peers_cpu_seconds(swarm) - cpu_start
     sent, train_s = [d["samples_sent"] for d in done], done[0]["train_s"]
     log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
         f"drained {[d['drained'] for d in done]}, resent {[d.get('resent') for d in done]}")
@@ -341,6 +357,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "heldout_losses": {p[-6:]: finite_or_none(v) for p, v in losses.items()},
         "throughput_samples_per_s": round(sent[0] / train_s, 2) if train_s > 0 else None, "train_s": train_s,
         "samples_sent": sum(sent),
+        "peer_cpu_ms_per_sample": round(1000 * peer_cpu_s / sum(sent), 2) if sum(sent) else None,
         "samples_sent_by_attacker": sent[1] if spec.attack is not None and spec.attack.by_trainer else 0,
         "samples_accounted_by_stage": list(accounted), "samples_lost": sum(sent) - min(accounted),
         "samples_counted_twice": max(0, max(accounted) - sum(sent)),
@@ -447,6 +464,12 @@ def median_throughput(runs: List[Dict[str, Any]]) -> Optional[float]:
     return values[len(values) // 2] if values else None
 
 
+def median_of(runs: List[Dict[str, Any]], key: str) -> Optional[float]:
+    """The median of the runs' ``key`` (the upper one of an even count); None if no run measured it."""
+    values = sorted(r[key] for r in runs if r.get(key) is not None)
+    return values[len(values) // 2] if values else None
+
+
 def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The run of median held-out loss (the upper one of an even count; a run without a finite one counts as
     worst): the clean reference, so that one unlucky or lucky clean run does not set the bar."""
@@ -479,6 +502,8 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
         "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
+        "clean_peer_cpu_ratio_off_vs_on": _ratio(median_of(runs_off, "peer_cpu_ms_per_sample"),
+                                                 median_of(runs_on, "peer_cpu_ms_per_sample")),
         "clean_heldout_losses": {"on": [r.get("heldout_loss") for r in runs_on],
                                  "off": [r.get("heldout_loss") for r in runs_off]},
         "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in runs_on],
@@ -523,8 +548,11 @@ def summary(clean: Dict[Tuple[int, bool], List[Dict[str, Any]]]) -> str:
         runs = "; ".join(f"{'on' if d else 'off'} " + ", ".join(_fmt(r.get("throughput_samples_per_s"), 1)
                                                                 for r in clean.get((stage, d)) or [])
                          for d in (True, False) if (stage, d) in clean)
+        cpu_on = median_of(clean[(stage, True)], "peer_cpu_ms_per_sample")
+        cpu_off = median_of(clean.get((stage, False)) or [], "peer_cpu_ms_per_sample")
         parts.append(f"stage-{stage} shape: median defences on {_fmt(on, 1)} / off {_fmt(off, 1)} samples/s "
-                     f"= {_fmt(_ratio(on, off))} (runs: {runs})")
+                     f"= {_fmt(_ratio(on, off))} (runs: {runs}); peers' CPU ms per sample on {_fmt(cpu_on, 1)} / "
+                     f"off {_fmt(cpu_off, 1)}: off/on {_fmt(_ratio(cpu_off, cpu_on))}")
     return "clean throughput of trainer0, defended/undefended: " + "; ".join(parts)
 
 
