@@ -46,7 +46,7 @@ import asyncio
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
@@ -219,6 +219,7 @@ class RobustRound:
         self._decision_in = asyncio.Event()  # set at each decision that arrives
         self.refused: Dict[str, str] = {}  # sender -> why its gradient was refused
         self._deadline = time.monotonic() + timeout
+        self._sends: List[asyncio.Future] = []  # this member's sends, each ended by the round's deadline
         self._check_done()
 
     # ---- receiving ----
@@ -340,6 +341,14 @@ class RobustRound:
         commitment = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.size, packed.sha256)
         return commitment, packed
 
+    def _send_in_background(self, sends: Sequence[Awaitable[None]]) -> None:
+        """Start sends without waiting for them: a groupmate that hivemind's matchmaking placed in the group
+        but that never joined the round (its own search timed out as the leader assembled the group) holds
+        a send to it open until the deadline, and the round must go on without it meanwhile."""
+        sending = asyncio.ensure_future(asyncio.gather(*sends))
+        sending.add_done_callback(lambda done: None if done.cancelled() else done.exception())  # seen, not raised
+        self._sends.append(sending)
+
     async def _send_gradients(self) -> None:
         own, packed = await self._pack(self.vector)  # the same bytes for every groupmate
         self._note(own)
@@ -353,11 +362,11 @@ class RobustRound:
                 commitment, other = await self._pack(vector)
                 chunks = other.chunks
             sends.append(self._send(peer, {"kind": "gradient", "commitment": commitment.to_dict()}, chunks))
-        await asyncio.gather(*sends)
+        self._send_in_background(sends)
 
     async def _send_echoes(self) -> None:
         echoed = [c.to_dict() for c in list(self.commitments.values())[:MAX_ECHOED]]
-        await asyncio.gather(*(self._send(peer, {"kind": "echo", "commitments": echoed}, ()) for peer in self.others))
+        self._send_in_background([self._send(peer, {"kind": "echo", "commitments": echoed}, ()) for peer in self.others])
 
     async def _decide(self, digest: str) -> bool:
         """Send this member's decision to the others, and wait (at most a chunk's timeout) until a strict
