@@ -39,6 +39,8 @@ Measured, per run:
                    trainers ready to trainers done, per sample sent: what the defences cost on a machine whose
                    cores are the limit, steadier between runs than samples/s (``clean_peer_cpu_ratio_off_vs_on``:
                    the median without the defences over the median with them; 1 = they cost nothing).
+                   ``peer_cpu_ms_per_sample_by_kind`` splits it into the peers' own processes ("python"), the
+                   hivemind helpers they fork ("helpers": DHT and averager) and their p2pd daemons ("p2pd").
   samples_lost     samples the trainers sent minus the samples the stages account for once the swarm settled:
                    MIN over stages of (largest samples_applied + samples pending + frozen) over the stage's honest
                    online replicas (the attacker's share is not counted). For trainer attacks it includes the
@@ -310,13 +312,17 @@ def exclusion(run: Run) -> Dict[str, Any]:
             "exclusion_evidence": f"{name}: {line.message[:200]}"}
 
 
-def peers_cpu_seconds(swarm: AttackSwarm) -> float:
-    """CPU seconds used so far by every role but the trainers (stage peers, the bootstrap, their p2pd
-    daemons and helper processes). Trainers are left out because they exit as soon as they are done, and the
-    CPU of an exited process can no longer be read; the defences' work (robust rounds, verification re-runs,
-    clipping) runs in the peers."""
+def peers_cpu_seconds(swarm: AttackSwarm) -> Dict[str, float]:
+    """CPU seconds used so far by every role but the trainers, by kind of process: "python" (the peers' own
+    processes: compute, request handling, verification re-runs, clipping), "helpers" (the hivemind DHT and
+    averager processes they fork: averaging rounds), "p2pd" (their daemons). Trainers are left out because
+    they exit as soon as they are done, and the CPU of an exited process can no longer be read."""
     roles = {p.name: p.pid for p in swarm.processes if p.role != "train"}
-    return sum(cpu_seconds_by_kind(roles).values())
+    kinds: Dict[str, float] = {}
+    for key, seconds in cpu_seconds_by_kind(roles).items():
+        kind = key.rsplit(" ", 1)[-1]
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
+    return kinds
 
 
 async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
@@ -331,7 +337,8 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
     finally:
         for task in tasks:
             task.cancel()
-    peer_cpu_s = peers_cpu_seconds(swarm) - cpu_start
+    cpu_end = peers_cpu_seconds(swarm)
+    peer_cpu_s = {kind: cpu_end[kind] - cpu_start.get(kind, 0.0) for kind in cpu_end}
     sent, train_s = [d["samples_sent"] for d in done], done[0]["train_s"]
     log(f"[{spec.label}] trainers done: sent {sent}, failed {[d['failed'] for d in done]}, "
         f"drained {[d['drained'] for d in done]}, resent {[d.get('resent') for d in done]}")
@@ -357,7 +364,9 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "heldout_losses": {p[-6:]: finite_or_none(v) for p, v in losses.items()},
         "throughput_samples_per_s": round(sent[0] / train_s, 2) if train_s > 0 else None, "train_s": train_s,
         "samples_sent": sum(sent),
-        "peer_cpu_ms_per_sample": round(1000 * peer_cpu_s / sum(sent), 2) if sum(sent) else None,
+        "peer_cpu_ms_per_sample": round(1000 * sum(peer_cpu_s.values()) / sum(sent), 2) if sum(sent) else None,
+        "peer_cpu_ms_per_sample_by_kind": {kind: round(1000 * seconds / sum(sent), 2)
+                                           for kind, seconds in sorted(peer_cpu_s.items())} if sum(sent) else None,
         "samples_sent_by_attacker": sent[1] if spec.attack is not None and spec.attack.by_trainer else 0,
         "samples_accounted_by_stage": list(accounted), "samples_lost": sum(sent) - min(accounted),
         "samples_counted_twice": max(0, max(accounted) - sum(sent)),
@@ -504,6 +513,8 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
         "clean_peer_cpu_ratio_off_vs_on": _ratio(median_of(runs_off, "peer_cpu_ms_per_sample"),
                                                  median_of(runs_on, "peer_cpu_ms_per_sample")),
+        "clean_peer_cpu_ms_per_sample": {"on": [r.get("peer_cpu_ms_per_sample_by_kind") for r in runs_on],
+                                         "off": [r.get("peer_cpu_ms_per_sample_by_kind") for r in runs_off]},
         "clean_heldout_losses": {"on": [r.get("heldout_loss") for r in runs_on],
                                  "off": [r.get("heldout_loss") for r in runs_off]},
         "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in runs_on],
