@@ -316,6 +316,19 @@ class StageAverager(DecentralizedAverager):
         async for message in super().rpc_download_state(request, context):
             yield message
 
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's shutdown, except that a p2pd that already exited is not an error: Ctrl-C in a terminal
+        signals the whole process group, so p2pd may be gone before the handlers are removed from it (they went
+        with it); the running groups are still finalized."""
+        try:
+            await super()._shutdown(timeout)
+        except (OSError, ConnectionError) as e:
+            logger.debug(f"p2pd was gone when the averager shut down: {type(e).__name__}: {e}")
+            remaining = set()
+            for group in self._running_groups.values():
+                remaining.update(group.finalize(cancel=True))
+            await asyncio.wait_for(asyncio.gather(*remaining), timeout)
+
     async def _set_min_group_size(self, size: int) -> None:
         self._matchmaking.min_group_size = size  # read by matchmaking when its time for a round is up
 
