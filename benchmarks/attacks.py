@@ -469,8 +469,7 @@ def shape(attack: Attack, args) -> str:
 
 def median_throughput(runs: List[Dict[str, Any]]) -> Optional[float]:
     """The median of the runs' throughputs (the upper one of an even count); None if no run measured one."""
-    values = sorted(r["throughput_samples_per_s"] for r in runs if r.get("throughput_samples_per_s") is not None)
-    return values[len(values) // 2] if values else None
+    return median_of(runs, "throughput_samples_per_s")
 
 
 def median_of(runs: List[Dict[str, Any]], key: str) -> Optional[float]:
