@@ -52,7 +52,7 @@ The breakdown, per micro-batch of the benchmark's shape:
                   activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
                   minus the compute of that forward (StageRunner.forward on the same tensors,
                   timed in this process): the cost of one network hop carrying one activation.
-Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--num_layers 4] ...
+Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--num_layers 4] [--compression fp16] ...
 """
 
 from __future__ import annotations
@@ -104,6 +104,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--target_batch_size", type=int, default=1_000_000,
                         help="samples per global step; the default means no step while measuring")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each local timing and RPC probe")
+    parser.add_argument("--compression", default="none", choices=("none", "fp16", "int8"),
+                        help="the run's codec for activations and their gradients (the serialization figure "
+                             "stays that of uncompressed messages)")
     parser.add_argument("--max_data_mb", type=float, default=2.0, help="corpus bytes read (MiB)")
     return parser.parse_args()
 
@@ -268,7 +271,7 @@ def peer_cli_args(run: RunConfig) -> List[str]:
     return ["--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
             "--target_batch_size", str(run.target_batch_size), "--num_layers", str(m.num_layers),
             "--hidden_size", str(m.hidden_size), "--num_heads", str(m.num_heads), "--seq_len", str(m.seq_len),
-            "--vocab_size", str(m.vocab_size), "--num_threads", "1"]
+            "--vocab_size", str(m.vocab_size), "--num_threads", "1", "--compression", run.compression]
 
 
 async def start_trainer(run: RunConfig, batch_size: int, initial_peers: Sequence[str], corpus: Corpus,
@@ -486,7 +489,7 @@ def main() -> int:
     model = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads,
                         seq_len=args.seq_len)
     run = RunConfig(run_id=f"bench_{uuid.uuid4().hex[:8]}", num_stages=2, target_batch_size=args.target_batch_size,
-                    model=model)
+                    model=model, compression=args.compression)
     corpus = load_corpus(None, max_bytes=int(args.max_data_mb * 2**20))
     tokens, targets = BatchSampler(corpus.train, model.seq_len, args.batch_size, seed=99).sample()
     compute, tensors = measure_compute(run, tokens, targets, args.reps)
