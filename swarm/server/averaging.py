@@ -46,7 +46,7 @@ from hivemind.compression import CompressionBase, CompressionInfo, Float16Compre
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils import MPFuture, get_logger
+from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
@@ -329,6 +329,38 @@ class StageAverager(DecentralizedAverager):
                 remaining.update(group.finalize(cancel=True))
             await asyncio.wait_for(asyncio.gather(*remaining), timeout)
 
+    async def _declare_for_download_periodically(self) -> None:
+        """Declare this replica in the key that hivemind's state downloader reads: every ``declare_state_period``,
+        and at once when sharing is switched on or off (``_state_updated``).
+
+        Each declaration is awaited, bounded by the period, and a failed one is logged at DEBUG: the next one
+        follows within a period. (hivemind's own loop leaves each store in a task nobody awaits, so every store
+        that times out on a busy DHT ends in an asyncio 'Task exception was never retrieved' traceback, hundreds
+        a minute on a loaded machine.) With robust aggregation nobody reads the key: a joining replica of such
+        a run picks its source from the stage's signed records, so this replica does not declare at all."""
+        if self._aggregation is not None:
+            return
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        declared = False
+        while True:
+            self._state_updated.clear()
+            expiration = get_dht_time() + self.declare_state_period
+            if self.allow_state_sharing or declared:  # withdraw a declaration once sharing is switched off
+                declared = self.allow_state_sharing
+                await self._declare_once(key, self.state_sharing_priority if declared else None, expiration)
+            try:
+                await asyncio.wait_for(self._state_updated.wait(), max(0.0, expiration - get_dht_time()))
+            except asyncio.TimeoutError:
+                pass
+
+    async def _declare_once(self, key: str, value: Optional[float], expiration: float) -> None:
+        try:
+            await asyncio.wait_for(self.dht.store(key, subkey=self.peer_id.to_bytes(), value=value,
+                                                  expiration_time=expiration, return_future=True),
+                                   max(0.0, expiration - get_dht_time()))
+        except (asyncio.TimeoutError, Exception) as e:
+            logger.debug(f"declaring this replica's state for download failed: {type(e).__name__}: {e}")
+
     async def _set_min_group_size(self, size: int) -> None:
         self._matchmaking.min_group_size = size  # read by matchmaking when its time for a round is up
 
@@ -372,12 +404,6 @@ class StageAverager(DecentralizedAverager):
             gathered[OUTCOME_KEY] = {"included": outcome.included, "weights": outcome.weights,
                                      "excluded": outcome.excluded, "banned": outcome.banned, "tau": outcome.tau}
         return gathered
-
-    async def _declare_for_download_periodically(self) -> None:
-        """hivemind advertises state sharing under its own DHT key for its downloader; with the defences on,
-        joiners choose whom to download from by the stage's signed records instead, so nothing is declared."""
-        if self._aggregation is None:
-            await super()._declare_for_download_periodically()
 
     # ---- robust rounds: every check below runs in the averager's process ----
 
