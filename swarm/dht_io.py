@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time, get_logger
 from pydantic import BaseModel
 
 from swarm.dht import identity_of
+from swarm.metrics import count_dht
 from swarm.records import parse_entries, record_id_of
 
 __all__ = ["fetch_records", "store_record", "parse_value", "warn_once"]
@@ -37,11 +38,13 @@ async def store_record(dht: DHT, key: str, record: Optional[BaseModel], expirati
         raise ValueError(f"a record stored by {identity.peer_id} must carry that id, not {record_id_of(record)!r}")
     value = None if record is None else record.model_dump(mode="json")  # msgpack in the DHT wants str map keys
     try:
-        return bool(await asyncio.wait_for(dht.store(
+        stored = bool(await asyncio.wait_for(dht.store(
             key, value, get_dht_time() + expiration_s, subkey=identity.owner_subkey, return_future=True), timeout))
     except (asyncio.TimeoutError, Exception) as e:
         logger.warning(f"DHT store of {key!r} failed: {type(e).__name__}: {e}")
-        return False
+        stored = False
+    count_dht("store", stored)
+    return stored
 
 
 async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0,
@@ -55,7 +58,9 @@ async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0
     try:
         raw = await asyncio.wait_for(dht.get(key, latest=True, return_future=True), timeout)
     except (asyncio.TimeoutError, Exception) as e:
+        count_dht("read", False)
         return _failed(key, e, strict)
+    count_dht("read", True)
     return {record_id: record for record_id, (record, _) in parse_value(key, raw, model).items()}
 
 

@@ -22,6 +22,7 @@ from hivemind.utils import get_dht_time, get_logger
 
 from swarm.dht import get_many_in_dht, identity_of
 from swarm.dht_io import parse_value, store_record, warn_once
+from swarm.metrics import count_dht
 from swarm.policy.directory import (
     level_for, probe_due, probe_estimate, probe_levels, shard_of, shards_to_read, write_levels,
 )
@@ -112,6 +113,7 @@ class Directory:
             found = await asyncio.wait_for(self.dht.run_coroutine(
                 partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True), timeout + 1.0)
         except (asyncio.TimeoutError, Exception) as e:
+            count_dht("read", False, len(keys))
             logger.warning(f"DHT lookup of {self.run_id!r} stages failed: {type(e).__name__}: {e}")
             for stage, (chains, _) in plans.items():
                 if chains:  # the next probe after PROBE_RETRY_SHARE of the period, doubling with each failure
@@ -122,6 +124,7 @@ class Directory:
             if strict:
                 raise LookupError(f"DHT lookup of {self.run_id!r} stages failed") from e
             return False
+        count_dht("read", True, len(keys))
         for stage, (chains, keyed) in plans.items():
             self._update(stage, chains, {key: (level, shard, found.get(key)) for key, (level, shard) in keyed.items()}, now)
         return True

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MetricsServer", "MetricsPortError", "start_metrics_server", "new_registry", "peer_registry", "trainer_registry",
-    "count_rpc_bytes", "count_ban", "observe_allreduce", "count_verification", "method_label",
+    "count_rpc_bytes", "count_ban", "observe_allreduce", "count_verification", "count_dht", "method_label",
     "PeerSnapshot", "TrainerSnapshot", "peer_snapshot", "trainer_snapshot", "peer_families", "trainer_families",
     "check_metrics_port",
 ]
@@ -55,7 +55,10 @@ ALLREDUCE_FAILURES = Counter("swarm_allreduce_failures", "Averaging rounds that 
                              registry=None)
 VERIFICATIONS = Counter("swarm_verifications", "Spot checks of a reply against a second replica, by outcome "
                         "(agree, disagree = a mismatch, incomparable)", ["outcome"], registry=None)
-_EVENT_METRICS = (RPC_BYTES, BANS, ALLREDUCE_SECONDS, ALLREDUCE_FAILURES, VERIFICATIONS)
+DHT_KEYS = Counter("swarm_dht_keys", "DHT keys this process stored or looked up (a record's store, one shard of a "
+                   "stage's directory read), by operation (store/read) and outcome (ok/failed)",
+                   ["operation", "outcome"], registry=None)
+_EVENT_METRICS = (RPC_BYTES, BANS, ALLREDUCE_SECONDS, ALLREDUCE_FAILURES, VERIFICATIONS, DHT_KEYS)
 
 
 def method_label(method: str, known: Optional[Iterable[str]] = None) -> str:
@@ -69,6 +72,12 @@ def method_label(method: str, known: Optional[Iterable[str]] = None) -> str:
 def count_rpc_bytes(method: str, direction: str, num_bytes: int) -> None:
     """Count ``num_bytes`` of ``method`` (already a bounded label) ``direction`` 'sent' or 'received'."""
     RPC_BYTES.labels(method, direction).inc(num_bytes)
+
+
+def count_dht(operation: str, ok: bool, keys: int = 1) -> None:
+    """Count ``keys`` DHT keys stored or read (``operation`` 'store' or 'read'): each one costs a traversal's
+    worth of messages, so their rate is the control plane's traffic as this process causes it."""
+    DHT_KEYS.labels(operation, "ok" if ok else "failed").inc(keys)
 
 
 def count_ban(role: str, reason: str) -> None:

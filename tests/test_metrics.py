@@ -18,7 +18,7 @@ from peers.peer import progress_line
 from swarm.config import PeerConfig, TrainerConfig
 from swarm.footprint import BYTES_PER_PARAMETER, expected_footprint, stage_parameter_counts
 from swarm.metrics import (
-    MetricsPortError, PeerSnapshot, TrainerSnapshot, count_ban, count_rpc_bytes, method_label, new_registry,
+    MetricsPortError, PeerSnapshot, TrainerSnapshot, count_ban, count_dht, count_rpc_bytes, method_label, new_registry,
     observe_allreduce, peer_families, start_metrics_server, trainer_families,
 )
 from swarm.model import ModelConfig, build_stage
@@ -105,6 +105,8 @@ def test_event_helpers_count_into_every_registry():
     count_ban("trainer", "timeout")
     observe_allreduce(0.3, ok=False)
     observe_allreduce(1.5, ok=True)
+    count_dht("read", True, keys=3)
+    count_dht("store", False)
     for registry, old in zip((first, second), before):
         new = samples_of(generate_latest(registry).decode())
         delta = lambda key: new[key] - old.get(key, 0.0)
@@ -113,6 +115,8 @@ def test_event_helpers_count_into_every_registry():
         assert delta("swarm_allreduce_failures_total") == 1
         assert delta('swarm_allreduce_duration_seconds_count{outcome="done"}') == 1
         assert delta('swarm_allreduce_duration_seconds_bucket{le="0.5",outcome="failed"}') == 1
+        assert delta('swarm_dht_keys_total{operation="read",outcome="ok"}') == 3
+        assert delta('swarm_dht_keys_total{operation="store",outcome="failed"}') == 1
         assert "process_resident_memory_bytes" in new
 
 
@@ -219,6 +223,8 @@ def test_live_peer_and_trainer_serve_metrics_that_move(launcher):
     first = scrape(urls[0])
     assert first["swarm_peer_samples_processed_total"] >= 32
     assert first['swarm_rpc_bytes_total{direction="sent",method="forward"}'] > 0
+    assert first['swarm_dht_keys_total{operation="store",outcome="ok"}'] > 0  # its record, announced
+    assert first['swarm_dht_keys_total{operation="read",outcome="ok"}'] > 0  # its stage's records, polled
     seen = wait_for_scrape(trainer_url, lambda s: "swarm_trainer_loss" in s and s["swarm_global_step"] >= 1, 60,
                            "a loss and the global step at the trainer")
     assert 0 < seen["swarm_trainer_loss"] < 20 and seen["swarm_trainer_samples_sent_total"] >= 32
