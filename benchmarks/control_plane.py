@@ -228,7 +228,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--peers", default="16,64,256", help="comma list of live swarm sizes")
     parser.add_argument("--stages", type=int, default=2, help="stages of the run (fewer stages: larger stages)")
     parser.add_argument("--announce_period_s", type=float, default=1.0, help="live announce period")
-    parser.add_argument("--read_period_s", type=float, default=0.25, help="live poll period of a peer's own stage")
+    parser.add_argument("--read_period_s", type=float, default=0.25,
+                        help="how often a peer reads its own stage: the live poll period near a global step; "
+                             "far from one the live peer reads every announce period")
     parser.add_argument("--warmup_s", type=float, default=8.0, help="seconds (before stretching) before measuring")
     parser.add_argument("--measure_s", type=float, default=8.0, help="seconds (before stretching) measured per size")
     parser.add_argument("--nodes_per_core_s", type=float, default=8.0,

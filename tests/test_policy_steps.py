@@ -7,7 +7,7 @@ from dataclasses import replace
 from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
     must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, rounds_before_stepping_alone, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
-    round_is_over, unborne_step_claims,
+    round_is_over, unborne_step_claims, NEAR_TARGET_S, near_threshold, seconds_between_reads,
 )
 
 TARGET = 100
@@ -52,6 +52,33 @@ def test_backward_waits_while_averaging_and_on_a_full_clock():
     assert not must_wait(view(is_clock=False, samples_pending=80, samples_admitted=20))
     assert stage_is_full(view(samples_pending=50, others=(claim(pending=50),)))
     assert near_target(view(samples_pending=50)) and not near_target(view(samples_pending=49))
+
+
+def test_a_slow_stage_is_near_its_target_only_in_the_last_seconds_before_it():
+    # target 100: at 2 samples/s, NEAR_TARGET_S seconds hold 10 samples, so near begins at 90, not at half
+    slow = view(samples_per_s=2.0)
+    assert near_threshold(slow) == TARGET - 2.0 * NEAR_TARGET_S
+    assert not near_target(replace(slow, samples_pending=60)) and near_target(replace(slow, samples_pending=90))
+    assert near_target(replace(slow, samples_pending=50, others=(claim(pending=40),)))  # the others' claims count
+    # a fast stage (or one whose rate is not known, or is idle) is near from half its batch, as before
+    for rate in (100.0, None, 0.0):
+        assert near_threshold(view(samples_per_s=rate)) == TARGET / 2
+
+
+def test_reads_slow_down_only_far_from_the_target_at_a_known_rate():
+    poll, announce = 0.25, 1.0
+    # unknown rate, near the target, or averaging: every poll period
+    assert seconds_between_reads(view(samples_pending=10), poll, announce) == poll
+    assert seconds_between_reads(view(samples_pending=95, samples_per_s=2.0), poll, announce) == poll
+    assert seconds_between_reads(view(averaging=True, samples_per_s=2.0), poll, announce) == poll
+    # far from it: the others re-announce only every announce period, so that is the pace of reads
+    assert seconds_between_reads(view(samples_pending=10, samples_per_s=2.0), poll, announce) == announce
+    assert seconds_between_reads(view(samples_pending=10, samples_per_s=0.0), poll, announce) == announce
+    # but never past the moment the stage could come near: 40 samples short of half at 100 samples/s is 0.4 s
+    assert seconds_between_reads(view(samples_pending=10, samples_per_s=100.0), poll, announce) == 0.4
+    assert seconds_between_reads(view(samples_pending=48, samples_per_s=100.0), poll, announce) == poll
+    # a configuration whose poll period is not shorter keeps its poll period
+    assert seconds_between_reads(view(samples_pending=10, samples_per_s=2.0), 2.0, 1.0) == 2.0
 
 
 def test_reserved_share_for_a_replica_still_on_the_previous_step():
@@ -203,3 +230,21 @@ def test_a_round_is_over_once_a_majority_holds_a_later_state():
     assert not round_is_over(view(others=(claim("A", step=90, accum_step=90, digest="d90"), claim("C"))))
     # mates whose announced state does not count (voters) do not make a majority either
     assert not round_is_over(view(others=moved, voters=(claim("C"),)))
+
+
+def test_a_replica_measures_its_stages_rate_from_the_growth_of_the_stages_pending_samples(monkeypatch):
+    from swarm.server import stepping
+
+    coordinator = stepping.StepCoordinator(peer=None)
+    clock = iter([10.0, 11.0, 12.0, 12.5, 14.0])
+    monkeypatch.setattr(stepping.time, "monotonic", lambda: next(clock))
+    coordinator._measure_rate(view(samples_pending=10, others=(claim(pending=10),)))
+    assert coordinator.samples_per_s is None, "one read gives no rate"
+    coordinator._measure_rate(view(samples_pending=20, others=(claim(pending=20),)))
+    assert coordinator.samples_per_s == 20.0  # 20 -> 40 samples in a second
+    coordinator._measure_rate(view(samples_pending=20, others=(claim(pending=30),)))
+    assert coordinator.samples_per_s == 15.0  # 10/s, weighed with the previous estimate
+    coordinator._measure_rate(view(step=4, accum_step=4, samples_pending=5))
+    assert coordinator.samples_per_s == 15.0, "a read after the step closed starts over"
+    coordinator._measure_rate(view(step=4, accum_step=4, samples_pending=5))
+    assert coordinator.samples_per_s == 7.5  # an idle stage's rate falls towards 0

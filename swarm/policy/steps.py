@@ -32,14 +32,15 @@ __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
     "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size", "majority_group",
-    "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over",
-    "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S",
+    "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over", "near_threshold",
+    "seconds_between_reads", "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S", "NEAR_TARGET_S",
 ]
 
 # a replica's claimed pending samples count at most this multiple of its fair share of the global batch
 MAX_CLAIM_SHARE = 2.0
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored once they proved false
 FIRST_STRIKE_S = 15.0  # seconds for a first failure that an honest replica can cause too
+NEAR_TARGET_S = 5.0  # a stage that reaches its global batch within this many seconds at its rate is near it
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class StageView:
     # for a while still holds the stage's parameters
     voters: Optional[Tuple[ReplicaClaim, ...]] = None
     history: Tuple[Tuple[int, str], ...] = ()  # (step, digest) this replica's parameters had at recent steps
+    # samples/s the whole stage accumulates, as this replica last observed it; None = not known yet
+    samples_per_s: Optional[float] = None
 
 
 def trusted_others(claims: Sequence[ReplicaClaim], distrusted: Collection[str]) -> Tuple[ReplicaClaim, ...]:
@@ -158,9 +161,36 @@ def _held(view: StageView) -> float:
     return view.samples_pending + view.samples_admitted + others_reserved(view)
 
 
+def near_threshold(view: StageView) -> float:
+    """The samples the stage holds (this replica's pending and admitted, the others' reserved) from which it is
+    near its global step: half the global batch; and once the stage's rate is known, no earlier than
+    :data:`NEAR_TARGET_S` seconds of that rate before the target. Near a step replicas announce and read
+    many times a second, so that the step closes on target: on a stage whose steps take minutes that pace
+    over the whole second half of every step would be most of the run's DHT traffic, for nothing."""
+    half = view.target_batch_size / 2
+    if not view.samples_per_s or view.samples_per_s <= 0:
+        return half
+    return max(half, view.target_batch_size - view.samples_per_s * NEAR_TARGET_S)
+
+
 def near_target(view: StageView) -> bool:
     """Close enough to a global step that progress should travel fast (announce and check often)."""
-    return 2 * _held(view) >= view.target_batch_size
+    return _held(view) >= near_threshold(view)
+
+
+def seconds_between_reads(view: StageView, poll_period_s: float, announce_period_s: float) -> float:
+    """How long a replica waits before it reads its stage's records again.
+
+    Near the target, while a step is averaged, or while the stage's rate is not known: ``poll_period_s``,
+    since a step closes on what the reads show. Otherwise the other replicas re-announce only every
+    ``announce_period_s``, so reading more often than that finds nothing new: every ``announce_period_s``,
+    but no later than the stage could come near its target at its observed rate."""
+    if view.averaging or view.samples_per_s is None or announce_period_s <= poll_period_s or near_target(view):
+        return poll_period_s
+    if view.samples_per_s <= 0:
+        return announce_period_s
+    until_near = (near_threshold(view) - _held(view)) / view.samples_per_s
+    return min(announce_period_s, max(poll_period_s, until_near))
 
 
 def stage_is_full(view: StageView) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Deque, Dict, List, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from hivemind.utils import get_logger
 
@@ -19,8 +19,9 @@ from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
-    min_group_size, must_wait, near_target, needs_resync, overclaimers, round_is_over, rounds_before_stepping_alone,
-    stage_mates, step_alone, step_is_due, trusted_others, unborne_step_claims,
+    min_group_size, must_wait, near_target, needs_resync, others_pending, overclaimers, round_is_over,
+    rounds_before_stepping_alone, seconds_between_reads, stage_mates, step_alone, step_is_due, trusted_others,
+    unborne_step_claims,
 )
 from swarm.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
@@ -39,6 +40,7 @@ MAX_FAILED_ROUNDS = 2  # averaging rounds without a group before a replica appli
 RESYNC_ATTEMPTS = 3  # state downloads a replica tries when it finds itself behind
 BAN_S = 3600.0  # seconds a replica caught lying in averaging stays banned (by this replica's averager too)
 TENTATIVE_S = 30.0  # seconds a step a minority averaged stays tentative before its replica stands by it
+RATE_MEMORY = 0.5  # weight of the previous estimate of the stage's rate when a read gives a new one
 
 
 class StepCoordinator:
@@ -61,6 +63,8 @@ class StepCoordinator:
         self._failed_step = -1  # the frozen step that _failed_rounds counts rounds for
         self._silent: Set[str] = set()  # stage-mates distrusted for announcing themselves online but not averaging
         self.tentative: Dict[int, float] = {}  # applied step a minority of the stage averaged -> when (majority_group)
+        self.samples_per_s: Optional[float] = None  # what the whole stage accumulates, from successive reads
+        self._last_read: Optional[Tuple[float, int, int]] = None  # (monotonic time, accum step, stage's pending)
 
     # ---- the view the policy decides on ----
 
@@ -72,7 +76,19 @@ class StepCoordinator:
             samples_pending=runner.samples_pending, samples_admitted=self.admitted, digest=runner.digest,
             averaging=runner.frozen is not None, others=self._others, clock_steps=self._clock_steps,
             overlap_averaging=peer.config.overlap_averaging, voters=self._voters,
-            history=tuple(self.history) + ((runner.step, runner.digest),))
+            history=tuple(self.history) + ((runner.step, runner.digest),), samples_per_s=self.samples_per_s)
+
+    def _measure_rate(self, view: StageView) -> None:
+        """Update :attr:`samples_per_s` from the growth of the stage's pending samples (this replica's and the
+        others' claims) since the previous read; a read after a step closed starts over (what the closed
+        step held last is not known), so a stage whose steps are shorter than its reads keeps no rate."""
+        now, pending = time.monotonic(), view.samples_pending + others_pending(view)
+        last, self._last_read = self._last_read, (now, view.accum_step, pending)
+        if last is None or last[1] != view.accum_step or now <= last[0]:
+            return
+        sample = max(0, pending - last[2]) / (now - last[0])
+        self.samples_per_s = sample if self.samples_per_s is None else (
+            RATE_MEMORY * self.samples_per_s + (1 - RATE_MEMORY) * sample)
 
     def _observe(self, records: Dict[str, PeerRecord]) -> None:
         """Take the stage's claims from a DHT snapshot, leaving out replicas caught lying."""
@@ -149,12 +165,15 @@ class StepCoordinator:
                 await self.coordinate_once()
             except Exception:
                 logger.exception("step coordination failed; retrying")
-            waker = "coordinate" if self.near_target() or peer.runner.frozen is not None else None
-            await peer.sleep_or_progress(waker, peer.config.poll_period_s, FAST_PERIOD_S)
+            view = self.view()
+            waker = "coordinate" if near_target(view) or peer.runner.frozen is not None else None
+            period = seconds_between_reads(view, peer.config.poll_period_s, peer.config.announce_period_s)
+            await peer.sleep_or_progress(waker, period, FAST_PERIOD_S)
 
     async def _read_view(self) -> StageView:
         """The view after a fresh read of the stage's records."""
         self._observe(await self.peer.fetch_records())
+        self._measure_rate(self.view())
         return self.view()
 
     async def coordinate_once(self) -> None:

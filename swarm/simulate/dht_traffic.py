@@ -35,7 +35,9 @@ class TrafficModel:
     record_bytes: float  # a stored record: msgpack, signature and owner subkey
     num_stages: int
     announce_period_s: float = 1.0  # live PeerConfig.announce_period_s: stores, and reads of the other stages
-    read_period_s: float = 0.25  # live PeerConfig.poll_period_s: reads of the peer's own stage
+    # reads of the peer's own stage: live, PeerConfig.poll_period_s while the stage is near a global step (the
+    # default here: the costlier case), announce_period_s far from one (policy.steps.seconds_between_reads)
+    read_period_s: float = 0.25
     probe_period_s: float = 10.0  # swarm.directory.PROBE_PERIOD_S
     chains: int = 4  # swarm.directory.PROBE_CHAINS
     rotate: int = 1  # shards a read covers besides the reader's own

@@ -17,7 +17,7 @@ Model (documented simplifications):
 * The clock stage (the last one) is checked on the live grid: every ``announce_period_s``, and
   every ``poll_period_s`` once the policy says it is near the target. Checks that cannot change
   anything are skipped: at each check the next one is set at the first grid instant where, at the
-  current rates, the policy's figures (held, pending) could cross half the target or the target,
+  current rates, the policy's figures (held, pending) could cross the near threshold or the target,
   and whenever the engine's flow changes the clock's replicas announce, their rates are re-read and
   that instant re-predicted.
   Other stages are checked one poll after the clock applies a step, when a replica joins, and
@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, absent_claimants, distrust_seconds, majority_state, must_wait, near_target, needs_resync,
-    others_pending, others_reserved, overclaimers, rounds_before_stepping_alone, step_alone, step_is_due, trusted_others,
+    ReplicaClaim, StageView, absent_claimants, distrust_seconds, majority_state, must_wait, near_target, near_threshold,
+    needs_resync, others_pending, others_reserved, overclaimers, rounds_before_stepping_alone, step_alone, step_is_due,
+    trusted_others,
 )
 from swarm.simulate.config import StepSimConfig
 
@@ -292,7 +293,11 @@ class StepSim:
             step=replica.step, accum_step=replica.accum_step, samples_pending=int(replica.pending),
             samples_admitted=0, digest=replica.digest, averaging=stage.round is not None and replica.busy_until > now,
             others=trusted_others(others, distrusted), clock_steps=clock_steps, voters=tuple(others),
-            history=tuple(replica.history) + ((replica.step, replica.digest),))
+            history=tuple(replica.history) + ((replica.step, replica.digest),), samples_per_s=self._stage_rate(stage))
+
+    def _stage_rate(self, stage: _Stage) -> float:
+        """Samples/s the stage accumulates now: what a live replica measures from the growth of the stage's claims."""
+        return sum(r.rate for r in stage.replicas.values() if r.active(self.now) and not r.waiting)
 
     def _clock_steps(self) -> Tuple[int, ...]:
         return tuple(r.step for r in self.stages[-1].replicas.values())
@@ -341,22 +346,21 @@ class StepSim:
 
     def _next_clock_check(self, stage: _Stage, view: StageView) -> float:
         """The first instant on the live check grid at which the policy's answer could change at the current
-        rates: the stage's held samples reaching half the target (checks speed up) or the target, or its
+        rates: the stage's held samples reaching :func:`near_threshold` (checks speed up) or the target, or its
         pending samples reaching the target. Never later than ``idle_check_period_s``."""
-        config, now = self.config, self.now
-        rate = sum(r.rate for r in stage.replicas.values() if r.active(now) and not r.waiting)
+        config, rate = self.config, self._stage_rate(stage)
         target = view.target_batch_size
         held = view.samples_pending + others_reserved(view)
         due = view.samples_pending + others_pending(view)
         near = near_target(view)
-        gaps = (target - held, target - due) + (() if near else (target / 2 - held,))
+        gaps = (target - held, target - due) + (() if near else (near_threshold(view) - held,))
         if min(gaps) <= 0:
             delay = 0.0  # something may be due already: the next check on the grid decides
         else:
             delay = min(gaps) / rate if rate > 0 else config.idle_check_period_s
         period = config.poll_period_s if near else config.announce_period_s
         delay = min(max(period, math.ceil(delay / period - 1e-9) * period), config.idle_check_period_s)
-        return now + delay
+        return self.now + delay
 
     def _resync_if_needed(self, stage: _Stage, majority: Optional[Tuple[int, str]], claims: Tuple[ReplicaClaim, ...],
                           clock_steps: Tuple[int, ...]) -> None:

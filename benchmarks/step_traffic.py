@@ -1,0 +1,132 @@
+"""Control-plane traffic of training stage peers: the DHT keys each one stores and reads per second.
+
+Why: to close global steps on target, a replica re-announces its record and reads its stage's records,
+many times a second once the stage nears its global batch. Every store and every read is a DHT traversal
+(tens of kilobytes on the wire at a few dozen peers, see ``benchmarks/control_plane.py``), so the rate of
+those operations is what the control plane costs a volunteer's link. It should follow the steps: a run
+whose steps take half a minute has no reason to read its stage four times a second all along.
+
+What runs, for each ``--target_batch_sizes`` entry (short steps, then long ones at this machine's rate):
+a bootstrap DHT, 2 stages x ``--replicas`` replicas and one trainer on 127.0.0.1, the peers with the live
+default periods (announce every 1 s, read every 0.25 s; not the tests' fast ones). Once the last stage has
+applied its first global step, every peer's ``swarm_dht_keys`` counters (``--metrics_port``) are scraped at
+the start and at the end of a ``--window_s`` window.
+
+Reported per setting: the mean step length and samples/s of the window, and per peer the DHT keys stored
+and read per second (their mean over the peers). Last line: a JSON list, one object per setting.
+
+Usage: python benchmarks/step_traffic.py [--target_batch_sizes 256,4096] [--window_s 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List
+
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _swarm import TINY_MODEL, LiveSwarm, install_signal_handlers, log, make_log_dir  # noqa: E402
+
+NUM_STAGES = 2
+KEYS = "swarm_dht_keys_total"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target_batch_sizes", default="256,4096", help="comma-separated global batches, one run each")
+    p.add_argument("--replicas", type=int, default=2, help="replicas per stage")
+    p.add_argument("--window_s", type=float, default=60.0, help="seconds between the two scrapes")
+    p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
+    p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    args = p.parse_args(argv)
+    args.targets = [int(t) for t in args.target_batch_sizes.split(",")]
+    if args.replicas < 1 or args.window_s <= 0 or any(t <= 0 for t in args.targets):
+        p.error("--replicas, --window_s and every target batch size must be positive")
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dht_keys(url: str) -> Dict[str, float]:
+    """operation -> keys stored or read so far (successful or not), from one scrape of a peer's metrics."""
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    counts: Dict[str, float] = {"store": 0.0, "read": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == KEYS:
+                counts[sample.labels["operation"]] = counts.get(sample.labels["operation"], 0.0) + sample.value
+    return counts
+
+
+async def measure(target: int, args, log_dir: Path) -> Dict[str, Any]:
+    run_id = f"traffic_{target}_{uuid.uuid4().hex[:6]}"
+    swarm = LiveSwarm(log_dir, run_id, run_args=["--num_stages", str(NUM_STAGES), "--target_batch_size", str(target),
+                                                 *TINY_MODEL],
+                      peer_args=[], trainer_args=["--batch_size", str(args.batch_size), "--log_period_s", "5"])
+    try:
+        await asyncio.to_thread(swarm.bootstrap, 60.0)
+        peers = [swarm.peer(stage, f"s{stage}p{i}", ["--metrics_port", str(free_port())])
+                 for stage in range(NUM_STAGES) for i in range(args.replicas)]
+        urls = [(await swarm.event(p, "peer_ready", 120.0))["metrics"] for p in peers]
+        trainer = swarm.trainer("trainer0")
+        await swarm.event(trainer, "trainer_ready", 120.0)
+        last = NUM_STAGES - 1
+        await swarm.wait_for(lambda r: any(x.stage == last and x.step >= 1 for x in r.values()), 300.0,
+                             "the first global step")
+        start = await swarm.snapshot()
+        before = [await asyncio.to_thread(dht_keys, url) for url in urls]
+        await asyncio.sleep(args.window_s)
+        end = await swarm.snapshot()
+        after = [await asyncio.to_thread(dht_keys, url) for url in urls]
+    finally:
+        await asyncio.to_thread(swarm.close, 20.0)
+    elapsed = end.t - start.t
+
+    def clock(snapshot) -> tuple:
+        replicas = [r for r in snapshot.peers.values() if r.stage == last]
+        return max(r.step for r in replicas), max(r.samples_applied for r in replicas)
+
+    (step0, applied0), (step1, applied1) = clock(start), clock(end)
+    per_peer = {op: [(a[op] - b[op]) / elapsed for a, b in zip(after, before)] for op in ("store", "read")}
+    return {
+        "target_batch_size": target, "window_s": round(elapsed, 1), "global_steps": step1 - step0,
+        "step_s": round(elapsed / (step1 - step0), 2) if step1 > step0 else None,
+        "samples_per_s": round((applied1 - applied0) / elapsed, 1),
+        "dht_keys_per_s_per_peer": {op: round(statistics.mean(v), 2) for op, v in per_peer.items()},
+        "dht_keys_per_s_by_peer": {op: [round(x, 2) for x in v] for op, v in per_peer.items()},
+    }
+
+
+async def main(args) -> List[Dict[str, Any]]:
+    log_dir = make_log_dir(args.log_dir, "bench_step_traffic_")
+    rows = []
+    for target in args.targets:
+        started = time.monotonic()
+        row = await measure(target, args, log_dir)
+        log(f"target {target}: {row['global_steps']} steps in {row['window_s']} s (one per {row['step_s']} s), "
+            f"{row['samples_per_s']} samples/s; DHT keys per peer per second: stored "
+            f"{row['dht_keys_per_s_per_peer']['store']}, read {row['dht_keys_per_s_per_peer']['read']} "
+            f"({time.monotonic() - started:.0f} s wall)")
+        rows.append(row)
+    return rows
+
+
+if __name__ == "__main__":
+    install_signal_handlers()
+    print(json.dumps(asyncio.run(main(parse_args()))), flush=True)
