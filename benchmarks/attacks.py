@@ -22,7 +22,7 @@ swarm per run, runs one after another:
     serves it poisoned state, which the joiner must refuse with the defences on;
   * per attack: a run with the defences on and one with ``--defences false`` (same seed and samples),
     and clean runs (the attacker's slot taken by an honest role), defences on and off, reused by every
-    attack of that swarm shape: ``--clean_repeats`` (3) of each, on and off taking turns, because one
+    attack of that swarm shape: ``--clean_repeats`` (5) of each, on and off taking turns, because one
     run's throughput moves by 10-40% with what else the shared cores do.
 
 Measured, per run:
@@ -75,7 +75,7 @@ without them, for the attack's swarm shape (every clean throughput is in ``clean
 Output: progress lines, a table, a summary line (clean throughput, defences on vs off), then one JSON list.
 Every process's log is kept in ``--log_dir`` (a fresh temporary directory by default).
 
-Usage: python benchmarks/attacks.py [--samples_per_trainer 3072] [--attacks a,b] [--clean_repeats 3] [--skip_undefended]
+Usage: python benchmarks/attacks.py [--samples_per_trainer 3072] [--attacks a,b] [--clean_repeats 5] [--skip_undefended]
                                   [--log_dir DIR]
 """
 
@@ -119,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated, from: {', '.join(ATTACKS)}")
     p.add_argument("--seed", type=int, default=0, help="the run's --seed (initialisation); trainers draw with seed+1, seed+2")
     p.add_argument("--skip_undefended", action="store_true", help="no --defences false runs (quicker; no harm figures)")
-    p.add_argument("--clean_repeats", type=int, default=3,
+    p.add_argument("--clean_repeats", type=int, default=5,
                    help="clean runs per swarm shape and defence setting (their median throughput is compared)")
     p.add_argument("--attacked_replicas", type=int, default=4, help="replicas of the attacked stage, the attacker included")
     p.add_argument("--other_replicas", type=int, default=1, help="replicas of the other stage")
