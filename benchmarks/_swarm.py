@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -29,7 +30,7 @@ from tests.utils.probe import Probe, online  # noqa: E402
 from tests.utils.processes import FAST_PEER, TINY_MODEL  # noqa: E402
 
 __all__ = ["LiveSwarm", "FAST_PEER", "TINY_MODEL", "online", "accounted", "log", "make_log_dir",
-           "install_signal_handlers", "counts", "Snapshot"]
+           "install_signal_handlers", "counts", "Snapshot", "free_port"]
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 _T0 = time.monotonic()
@@ -38,6 +39,13 @@ _T0 = time.monotonic()
 def log(message: str) -> None:
     """A progress line on stdout, with seconds since the script started."""
     print(f"[{time.monotonic() - _T0:7.1f}s] {message}", flush=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a role's ``--metrics_port``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_log_dir(given: Optional[str], prefix: str) -> Path:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _swarm import TINY_MODEL, LiveSwarm, install_signal_handlers, log, make_log_dir  # noqa: E402
+from _swarm import TINY_MODEL, LiveSwarm, free_port, install_signal_handlers, log, make_log_dir  # noqa: E402
 
 NUM_STAGES = 2
 KEYS = "swarm_dht_keys_total"
@@ -54,12 +53,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.replicas < 1 or args.window_s <= 0 or any(t <= 0 for t in args.targets):
         p.error("--replicas, --window_s and every target batch size must be positive")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dht_keys(url: str) -> Dict[str, float]:
