@@ -7,13 +7,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
+from swarm.config import RunConfig
+from swarm.model import ModelConfig
 from swarm.policy.routing import SETTLE_CALLS, Router
 from swarm.policy.slow_replicas import (
     SLOW_TOLERANCE, completion_times, probe_allowed, standby_verdict, worth_waiting_for,
 )
 from swarm.policy.snapshot import PeerInfo
-from swarm.server.runner import ThroughputMeter
+from swarm.server.runner import StageRunner, ThroughputMeter
 from swarm.simulate.slow_peer import SlowPeerScenario, run_slow_peer_scenario
 
 
@@ -201,7 +204,7 @@ def test_a_replica_is_measured_by_its_slowest_kind_of_call():
 def test_the_meter_skips_the_cold_first_call_and_forgets_a_stale_measurement():
     """A first call that paid for lazy initialisation must not make a replica look slow, and a replica
     that got no work for ``stale_s`` announces 0 (unknown): a figure nobody refreshes would keep it
-    standing by forever; with it gone, trainers probe it, it measures itself anew, and that decides."""
+    standing by forever; with it gone, the replica times itself anew (``measure_speed``), and that decides."""
     now = [0.0]
     meter = ThroughputMeter(alpha=0.5, warmup_calls=1, stale_s=60.0, clock=lambda: now[0])
     meter.update("backward", 10, 5.0)  # cold: 0.5 s a sample
@@ -216,3 +219,46 @@ def test_the_meter_skips_the_cold_first_call_and_forgets_a_stale_measurement():
     assert not standby_verdict("slow", snapshot).standby
     meter.update("backward", 10, 0.01)  # afresh, not averaged with the stale figure
     assert meter.samples_per_s == pytest.approx(1000.0)
+
+
+# ---- a replica's speed before it serves ----
+
+def _runner_state(runner):
+    return ([p.detach().clone() for p in runner.params], [g.clone() for g in runner.grad_sum], runner.samples_processed,
+            runner.samples_pending, runner.num_forwards, runner.num_recomputed, len(runner.forward_cache),
+            runner.digest, runner._entropy)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_replica_times_itself_without_changing_its_state(stage):
+    """Every stage (tokens in, hidden states in, the loss out) times made-up samples into its meter, the
+    emulated device delay included, and nothing it serves or averages moves."""
+    run = RunConfig(num_stages=3, target_batch_size=64, model=ModelConfig(num_layers=3, hidden_size=32, num_heads=2,
+                                                                           seq_len=16))
+    runner = StageRunner(run, stage, delay_per_sample_s=0.02, forward_cache_bytes=2**20)
+    before = _runner_state(runner)
+    speed = runner.measure_speed(4)
+    after = _runner_state(runner)
+    assert 0 < speed < 50.0, "0.02 s of emulated delay a sample caps it below 50 samples/s"
+    assert speed > 10.0, "the warm-up pass is not counted, and the delay is charged once per counted pass"
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    assert before[2:] == after[2:]
+    assert runner.meter.samples_per_s == speed
+    with pytest.raises(ValueError):
+        runner.measure_speed(0)
+
+
+def test_a_replica_announcing_itself_slow_is_never_probed():
+    """Its own timing, announced before it serves, is enough: trainers that timed its stage-mates leave
+    it out without sending it a micro-batch to time, until those stage-mates back up."""
+    router = Router(seed=4, slow_tolerance=SLOW_TOLERANCE)
+    for peer_id in ("p0", "p1"):
+        for _ in range(SETTLE_CALLS):
+            router.report_success(peer_id, samples=8, elapsed_s=0.1)
+    announced = _stage([90.0, 90.0, 1.8])  # p2 timed itself 50x slower
+    assert all(router.choose(announced, 0.0, in_flight={}).peer_id != "p2" for _ in range(500))
+    unknown = _stage([90.0, 90.0, 0.0])  # it announced nothing: it is probed
+    assert any(router.choose(unknown, 0.0, in_flight={}).peer_id == "p2" for _ in range(500))
+    backed_up = _stage([90.0, 90.0, 1.8], queues=[80, 80, 0])
+    assert any(router.choose(backed_up, 0.0, in_flight={}).peer_id == "p2" for _ in range(500))

@@ -126,6 +126,7 @@ class StagePeer:
             self.backward_batcher = BackwardBatcher(self.runner.backward_batch, self._executor, self.config.max_batch_samples)
         self.steps = StepCoordinator(self)
         self.averager = self._make_averager()
+        await self.standby.measure_speed()
         await self.announcer.announce()
         await self.joining.join_stage()
         self.state = "online"

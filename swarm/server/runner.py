@@ -70,8 +70,8 @@ class ThroughputMeter:
     The first ``warmup_calls`` calls of each kind are not counted: they pay for lazy initialisation
     (allocator, kernels) and would make a fresh replica look several times slower than it is. A kind
     not measured for ``stale_s`` seconds no longer counts, and its next measurement starts afresh: a
-    replica that gets no work (standing by, or set aside by trainers) then announces 0, unknown, rather
-    than a figure from conditions long gone, so trainers try it again and it measures itself anew."""
+    replica that gets no work (standing by, or set aside by trainers) then reads 0, unknown, rather
+    than a figure from conditions long gone, and times itself anew (:meth:`StageRunner.measure_speed`)."""
 
     def __init__(self, alpha: float = 0.2, warmup_calls: int = 1, stale_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -276,6 +276,57 @@ class StageRunner:
         self.meter.update(kind, batch, time.perf_counter() - start)
         loss = float(outputs.detach()) if self.module.is_last else None
         return grad_inputs, loss, accum_step
+
+    def measure_speed(self, samples: int) -> float:
+        """Time forward and backward passes of ``samples`` made-up samples into the meter, as served calls
+        are timed (the emulated device delay included), and return the samples/s the meter then gives.
+
+        A replica that has served nothing yet, or nothing for the meter's ``stale_s``, would otherwise
+        announce 0 (unknown), and trainers would learn its speed only by sending it micro-batches: on
+        a replica 50x slower than its stage-mates each such probe holds a trainer's slot for 50x a
+        normal call. Nothing else of the replica changes: no gradient is accumulated, no graph cached,
+        no counter moved. A pass the meter skips as a warm-up costs no emulated delay."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ValueError(f"samples must be a positive int, got {samples!r}")
+        inputs, targets = self._made_up_batch(samples)
+        last = self.module.is_last
+        for _ in range(self.meter.warmup_calls + 1):
+            with self.lock:
+                entropy = self._entropy  # the last stage's hook records every forward's; keep the served one
+                if not last:
+                    start = time.perf_counter()
+                    with torch.no_grad():
+                        self.module(self._to_device(inputs), None)
+                    self.meter.update("forward", samples, time.perf_counter() - start)
+                kind = "forward_backward" if last else "backward"
+                counted = self.meter.calls.get(kind, 0) >= self.meter.warmup_calls
+                x = self._to_device(inputs)
+                leaf = None if self.module.is_first else x.detach().requires_grad_(True)
+                start = time.perf_counter()
+                with torch.enable_grad():
+                    outputs = self.module(x if leaf is None else leaf, self._to_device(targets))
+                    wrt = self.params if leaf is None else [leaf] + self.params
+                    torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
+                self._entropy = entropy
+            if counted and self.delay_per_sample_s > 0:
+                time.sleep(self.delay_per_sample_s * samples)
+            self.meter.update(kind, samples, time.perf_counter() - start)
+            if self.meter.samples_per_s > 0:
+                break
+        return self.meter.samples_per_s
+
+    def _made_up_batch(self, samples: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Inputs (and the last stage's targets) of the shapes and dtypes this stage serves."""
+        config = self.run.model
+        tokens = lambda: torch.randint(0, config.vocab_size, (samples, config.seq_len))  # noqa: E731
+        if self.module.is_first:
+            inputs = tokens()
+        else:
+            dtype = self.params[0].dtype if self.params else torch.float32
+            inputs = torch.randn(samples, config.seq_len, config.hidden_size, dtype=dtype)
+        targets = tokens() if self.module.is_last else None
+        self.module.check_inputs(inputs, targets)
+        return inputs, targets
 
     def backward_batch(self, requests: Sequence[Tuple[str, Any, Any, Any]]) -> List[object]:
         """Several backward requests (``backward``'s first four arguments each); one result per request, in

@@ -1,5 +1,11 @@
 """Whether this replica stands by: the decision of :func:`swarm.policy.slow_replicas.standby_verdict`,
-taken on the run's DHT records and said in the peer's log, one line each time it changes.
+taken on the run's DHT records and said in the peer's log, one line each time it changes; and the
+speed that decision (and every trainer's routing) starts from.
+
+A replica times itself on made-up samples when it takes up a stage, and again whenever its meter
+has had no served call for so long that its figure went stale (a replica standing by gets none):
+it then announces a speed without trainers timing it on their micro-batches, which on a replica
+50x slower than its stage-mates would hold their slots for 50x a normal call.
 
 A replica standing by stays online: it averages with its stage-mates and serves its state, and
 trainers, which route by the same rule (:func:`swarm.policy.slow_replicas.worth_waiting_for`), send it
@@ -35,11 +41,25 @@ class StandbyWatch:
         self.standing_by = False
         self.verdict: StandbyVerdict = StandbyVerdict(False, "not decided yet")
 
+    async def measure_speed(self) -> float:
+        """Time the stage on ``speed_test_samples`` made-up samples in the compute thread (queued behind any
+        served call); returns the samples/s the peer then announces (0.0 with the test off)."""
+        peer = self.peer
+        samples = peer.config.speed_test_samples
+        if not samples or peer.runner is None:
+            return 0.0
+        runner = peer.runner
+        speed = await peer.compute(runner.measure_speed, samples)
+        logger.info(f"stage {peer.stage}: timed at {speed:.1f} samples/s on {samples} made-up samples")
+        return speed
+
     async def run(self) -> None:
         peer = self.peer
         while not peer.stopping.is_set():
             try:
                 await asyncio.sleep(CHECK_PERIOD_S)
+                if peer.state == "online" and peer.runner is not None and peer.runner.meter.samples_per_s <= 0:
+                    await self.measure_speed()  # no served call for the meter's stale_s: time it anew
                 if peer.state == "online":
                     records = await asyncio.wait_for(peer.fetch_records(), READ_TIMEOUT_S)
                     self.decide(to_peer_infos(records, peer.run.num_stages))
