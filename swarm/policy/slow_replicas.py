@@ -6,9 +6,10 @@ flight, so a micro-batch sent to a replica 50x slower than its stage-mates holds
 50x longer: with a 1/101 share (its throughput's) a trainer's mean round trip grows by half and its
 samples/s drop by a third, while the stage gained 1% of capacity it did not need. What a micro-batch
 costs is its *expected completion time* at a replica: the calls ahead of it there, plus itself, over
-the replica's throughput. A replica is worth waiting for only while that time is within
-``tolerance`` of the best replica's: a slow replica then gets work exactly when its faster
-stage-mates are backed up enough for it to finish sooner, which is when its capacity helps.
+the replica's throughput. Replicas of about the same speed share calls while that time is within
+``tolerance`` of the best replica's; a replica more than ``tolerance`` times slower than the fastest
+gets a call only when it would complete it first, that is exactly when its faster stage-mates are
+backed up enough for its capacity to help.
 
 A replica that no trainer would route to by that rule stands by (:func:`standby_verdict`): it
 stays online (averaging, serving its state) but its own log says, in one line, why it gets no work.
@@ -38,26 +39,38 @@ def completion_times(throughputs: Sequence[float], queues: Sequence[float]) -> n
 
     An unknown throughput (0) counts as the mean of the known ones (a new replica is tried, as in
     :func:`swarm.policy.routing.routing_weights`); all unknown: every replica counts as throughput 1."""
+    rates, ahead = _rates_and_queues(throughputs, queues)
+    return (ahead + 1.0) / rates
+
+
+def _rates_and_queues(throughputs: Sequence[float], queues: Sequence[float]) -> tuple:
     rates = _non_negative(throughputs, "throughputs")
     ahead = _non_negative(queues, "queues")
     if rates.shape != ahead.shape:
         raise ValueError(f"throughputs and queues must have the same length, got {rates.size} and {ahead.size}")
     known = rates > 0
-    rates = np.where(known, rates, rates[known].mean() if known.any() else 1.0)
-    return (ahead + 1.0) / rates
+    return np.where(known, rates, rates[known].mean() if known.any() else 1.0), ahead
 
 
 def worth_waiting_for(throughputs: Sequence[float], queues: Sequence[float],
                       tolerance: float = SLOW_TOLERANCE) -> np.ndarray:
     """Which replicas a call may go to: those whose :func:`completion_times` are within ``tolerance`` times
-    the best one's. Never empty for a non-empty stage (the best replica always qualifies); ``tolerance``
-    inf keeps every replica (plain throughput-proportional routing)."""
+    the best one's, and for a replica itself more than ``tolerance`` times slower than the fastest,
+    only while it would complete the call first.
+
+    The slack lets calls spread over replicas of about the same speed (announced queues are seconds
+    old, and every trainer reads the same ones); a replica that slow would spend it holding a
+    trainer's slot longer than any stage-mate, and earns a call only where its capacity shortens one.
+    Never empty for a non-empty stage (the best replica always qualifies); ``tolerance`` inf keeps
+    every replica (plain throughput-proportional routing)."""
     if not tolerance >= 1.0:  # also rejects NaN
         raise ValueError(f"tolerance must be >= 1, got {tolerance!r}")
-    times = completion_times(throughputs, queues)
-    if times.size == 0:
+    rates, ahead = _rates_and_queues(throughputs, queues)
+    if rates.size == 0:
         return np.zeros(0, dtype=bool)
-    return times <= tolerance * times.min()
+    times = (ahead + 1.0) / rates
+    slow = rates * tolerance < rates.max()
+    return times <= np.where(slow, 1.0, tolerance) * times.min()
 
 
 def probe_allowed(measured: float, in_flight: int, max_probes: int = MAX_PROBES) -> bool:
