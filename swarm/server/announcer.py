@@ -1,14 +1,19 @@
 """What a stage peer announces in the DHT, and how often.
 
 The record (:class:`PeerRecord`) is re-stored every announce period with an expiration, so a peer
-that dies disappears on its own; while its stage nears a global step it is re-stored every
-``FAST_PERIOD_S`` (and at once when gradients arrive), so that replicas see each other's progress in
-time to close steps on target.
+that dies disappears on its own; while its stage nears a global step it is looked at every
+``FAST_PERIOD_S`` (and at once when gradients arrive) and stored whenever it changed, so that
+replicas see each other's progress in time to close steps on target. A record that did not change
+is not stored again before the announce period is up: a replica that gets no work (standing by) or
+waits for its stage-mates would otherwise store the same record 20 times a second, and every store
+costs the DHT nodes that keep it as much as it costs the replica.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+import time
+from typing import TYPE_CHECKING, Optional
 
 from swarm import PROTOCOL_VERSION
 from swarm.records import PeerRecord
@@ -23,6 +28,8 @@ __all__ = ["Announcer"]
 class Announcer:
     def __init__(self, peer: "StagePeer"):
         self.peer = peer
+        self.last: Optional[PeerRecord] = None  # the last record stored (every store of it succeeded)
+        self.last_at = -math.inf  # when, on the monotonic clock
 
     def record(self) -> PeerRecord:
         peer, runner, steps = self.peer, self.peer.runner, self.peer.steps
@@ -42,16 +49,25 @@ class Announcer:
             excluded=",".join(steps.excluded()) if steps is not None else "", maddrs=",".join(peer.maddrs),
         )
 
-    async def announce(self) -> None:
-        peer = self.peer
-        await peer.directory.store(self.record(), peer.config.expiration_s)
+    async def announce(self, only_if_changed: bool = False) -> bool:
+        """Store the record; with ``only_if_changed``, only if it differs from the last one stored or the
+        announce period has passed since. Returns whether it stored (and every store succeeded)."""
+        peer, record = self.peer, self.record()
+        if only_if_changed and record == self.last and time.monotonic() - self.last_at < peer.config.announce_period_s:
+            return False
+        stored = await peer.directory.store(record, peer.config.expiration_s)
+        if stored:
+            self.last, self.last_at = record, time.monotonic()
+        return stored
 
     async def run(self) -> None:
-        """Announce every announce period, and every ``FAST_PERIOD_S`` while the stage nears its global batch."""
+        """Announce every announce period; while the stage nears its global batch, every ``FAST_PERIOD_S``
+        that the record changed."""
         peer = self.peer
         while not peer.stopping.is_set():
-            await self.announce()
-            if peer.steps is not None and peer.steps.near_target():
+            near = peer.steps is not None and peer.steps.near_target()
+            await self.announce(only_if_changed=near)
+            if near:
                 await peer.sleep_or_progress("announce", FAST_PERIOD_S, FAST_PERIOD_S)
             else:  # far from a step: no need to tell anyone about every backward pass
                 await peer.sleep_or_progress(None, peer.config.announce_period_s, 0.0)
