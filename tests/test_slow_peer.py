@@ -190,6 +190,26 @@ def test_the_peer_watch_changes_its_mind_only_past_the_margins():
     assert not watch.decide(_stage([50.0, 50.0, 30.0])).standby  # serving: 1.67x is within 2x
 
 
+def test_the_peer_watch_times_the_replica_again_when_stale_or_standing_by():
+    """A figure from one busy moment must not keep a replica standing by: standing by, it times itself
+    again every ``RETIME_S``; serving, only once its served figure went stale."""
+    import time
+    from types import SimpleNamespace
+
+    from swarm.server.standby import RETIME_S, StandbyWatch
+
+    meter = ThroughputMeter(warmup_calls=0)
+    watch = StandbyWatch(SimpleNamespace(peer_id="p2", runner=SimpleNamespace(meter=meter)))
+    assert watch.retime_due(), "nothing measured yet"
+    meter.set("forward_backward", 8, 0.8)
+    watch.timed_at = time.monotonic()
+    assert not watch.retime_due()
+    watch.timed_at -= RETIME_S
+    assert not watch.retime_due(), "serving: served calls keep the figure fresh"
+    watch.decide(_stage([50.0, 50.0, 1.0]))
+    assert watch.standing_by and watch.retime_due()
+
+
 def test_a_replica_is_measured_by_its_slowest_kind_of_call():
     router = Router(seed=3, slow_tolerance=SLOW_TOLERANCE)
     for _ in range(4):
@@ -244,11 +264,13 @@ def test_a_replica_times_itself_without_changing_its_state(stage, monkeypatch):
     slept = []
     real_sleep = runner_module.time.sleep
     monkeypatch.setattr(runner_module.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    monkeypatch.setattr(runner_module, "SPEED_TEST_ROUNDS", 2)
+    monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
     before = _runner_state(runner)
     speed = runner.measure_speed(4)
     after = _runner_state(runner)
     assert 0 < speed < 50.0, "0.02 s of emulated delay a sample caps it below 50 samples/s"
-    assert slept == [pytest.approx(0.08)], "the warm-up pass costs no delay, the counted pass the delay of 4 samples"
+    assert slept == [pytest.approx(0.08)] * 2, "the warm-up round costs no delay, each timed round that of 4 samples"
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
     assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
     assert before[2:] == after[2:]
@@ -270,3 +292,23 @@ def test_a_replica_announcing_itself_slow_is_never_probed():
     assert any(router.choose(unknown, 0.0, in_flight={}).peer_id == "p2" for _ in range(500))
     backed_up = _stage([90.0, 90.0, 1.8], queues=[80, 80, 0])
     assert any(router.choose(backed_up, 0.0, in_flight={}).peer_id == "p2" for _ in range(500))
+
+
+def test_the_fastest_timed_round_sets_the_speed_and_a_slow_device_times_one_round(monkeypatch):
+    """Noise (a busy machine) only slows a round down, so the fastest one counts, and it replaces what the
+    meter held; a device so slow that one round takes the whole budget is timed once."""
+    run = RunConfig(num_stages=2, target_batch_size=64, model=ModelConfig(num_layers=2, hidden_size=32, num_heads=2,
+                                                                           seq_len=16))
+    runner = StageRunner(run, 1)
+    runner.meter.update("forward_backward", 4, 1.0)
+    runner.meter.update("forward_backward", 4, 40.0)  # a served figure: 0.1 samples/s
+    rounds = iter([{"forward_backward": 0.9}, {"forward_backward": 0.2}, {"forward_backward": 0.5}])
+    monkeypatch.setattr(runner, "_speed_round", lambda inputs, targets, delay: next(rounds) if delay else {})
+    monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
+    monkeypatch.setattr(runner_module, "SPEED_TEST_ROUNDS", 3)
+    assert runner.measure_speed(4) == pytest.approx(20.0)
+    calls = []
+    monkeypatch.setattr(runner, "_speed_round", lambda inputs, targets, delay: calls.append(delay) or {"forward_backward": 90.0})
+    monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
+    assert runner.measure_speed(4) == pytest.approx(4 / 90.0)
+    assert calls == [False, True], "one warm-up round, then one timed round past the budget"

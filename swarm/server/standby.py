@@ -2,10 +2,11 @@
 taken on the run's DHT records and said in the peer's log, one line each time it changes; and the
 speed that decision (and every trainer's routing) starts from.
 
-A replica times itself on made-up samples when it takes up a stage, and again whenever its meter
-has had no served call for so long that its figure went stale (a replica standing by gets none):
-it then announces a speed without trainers timing it on their micro-batches, which on a replica
-50x slower than its stage-mates would hold their slots for 50x a normal call.
+A replica times itself on made-up samples when it takes up a stage, again whenever its meter has
+had no served call for so long that its figure went stale, and every ``RETIME_S`` while it stands
+by (it gets no served call to correct a figure that a busy moment made too slow): it announces a
+speed without trainers timing it on their micro-batches, which on a replica 50x slower than its
+stage-mates would hold their slots for 50x a normal call.
 
 A replica standing by stays online: it averages with its stage-mates and serves its state, and
 trainers, which route by the same rule (:func:`swarm.policy.slow_replicas.worth_waiting_for`), send it
@@ -16,6 +17,8 @@ event loop.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from typing import TYPE_CHECKING
 
 from hivemind.utils import get_logger
@@ -31,6 +34,7 @@ __all__ = ["StandbyWatch", "CHECK_PERIOD_S"]
 logger = get_logger(__name__)
 CHECK_PERIOD_S = 5.0  # seconds between two decisions (records carry throughputs measured over seconds)
 READ_TIMEOUT_S = 10.0  # seconds one read of the run's records may take
+RETIME_S = 30.0  # seconds between two speed tests of a replica standing by
 
 
 class StandbyWatch:
@@ -40,6 +44,7 @@ class StandbyWatch:
         self.peer, self.tolerance = peer, tolerance
         self.standing_by = False
         self.verdict: StandbyVerdict = StandbyVerdict(False, "not decided yet")
+        self.timed_at = -math.inf  # when this replica last timed itself (monotonic clock)
 
     async def measure_speed(self) -> float:
         """Time the stage on ``speed_test_samples`` made-up samples in the compute thread (queued behind any
@@ -50,6 +55,7 @@ class StandbyWatch:
             return 0.0
         runner = peer.runner
         speed = await peer.compute(runner.measure_speed, samples)
+        self.timed_at = time.monotonic()
         logger.info(f"stage {peer.stage}: timed at {speed:.1f} samples/s on {samples} made-up samples")
         return speed
 
@@ -58,8 +64,8 @@ class StandbyWatch:
         while not peer.stopping.is_set():
             try:
                 await asyncio.sleep(CHECK_PERIOD_S)
-                if peer.state == "online" and peer.runner is not None and peer.runner.meter.samples_per_s <= 0:
-                    await self.measure_speed()  # no served call for the meter's stale_s: time it anew
+                if peer.state == "online" and peer.runner is not None and self.retime_due():
+                    await self.measure_speed()
                 if peer.state == "online":
                     records = await asyncio.wait_for(peer.fetch_records(), READ_TIMEOUT_S)
                     self.decide(to_peer_infos(records, peer.run.num_stages))
@@ -67,6 +73,12 @@ class StandbyWatch:
                 raise
             except Exception as e:  # a failed DHT read: keep the last decision, try again next period
                 logger.info(f"standby check failed ({type(e).__name__}: {e}); keeping the last decision")
+
+    def retime_due(self) -> bool:
+        """Whether to time the replica again: its figure went stale (no served call for the meter's
+        ``stale_s``), or it stands by and last timed itself ``RETIME_S`` ago."""
+        stale = self.peer.runner.meter.samples_per_s <= 0
+        return stale or (self.standing_by and time.monotonic() - self.timed_at >= RETIME_S)
 
     def decide(self, snapshot) -> StandbyVerdict:
         """Take the decision on ``snapshot``; log one line when it changes."""
