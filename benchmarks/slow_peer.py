@@ -20,9 +20,10 @@ behaviour before the slow-replica policy); the default is the trainers' default.
 
 The last line is a JSON list, one entry per slowdown:
 ``[{"slowdown": 5, "throughput_ratio_after_vs_before": ..., ...}, {"slowdown": 50, ...}]``.
-Defaults take about 7 minutes on a 2-core machine; the figures are noisy when other work runs.
+Defaults take about 20 minutes on a 2-core machine (three fresh swarms per slowdown, the run of median
+ratio reported, every ratio beside it); the figures are noisy when other work runs.
 
-Usage: python benchmarks/slow_peer.py [--slowdowns 5,50] [--window_s 60] [--periods live|fast] [--slow_replica_tolerance 0] [--log_dir DIR]
+Usage: python benchmarks/slow_peer.py [--slowdowns 5,50] [--repeats 3] [--window_s 60] [--periods live|fast] [--slow_replica_tolerance 0] [--log_dir DIR]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 import time
@@ -60,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_in_flight", type=int, default=4, help="micro-batches each trainer keeps in flight")
     p.add_argument("--trainers", type=int, default=2)
     p.add_argument("--window_s", type=float, default=60.0, help="seconds each throughput is measured over")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="fresh swarms per slowdown; the run of median ratio is reported (one pair of windows moves by "
+                        "about 5%%, the size of the effect measured)")
     p.add_argument("--warmup_s", type=float, default=15.0, help="seconds of training before the first window")
     p.add_argument("--settle_s", type=float, default=10.0, help="seconds after a join or a leave before the next window")
     p.add_argument("--slow_replica_tolerance", type=float, default=None,
@@ -74,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
     args = p.parse_args(argv)
     args.slowdown_list = [float(s) for s in args.slowdowns.split(",") if s.strip()]
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if not args.slowdown_list or any(s < 1 for s in args.slowdown_list):
         p.error(f"--slowdowns must be numbers >= 1, got {args.slowdowns!r}")
     return args
@@ -216,6 +223,33 @@ async def bring_up(swarm: LiveSwarm, args) -> None:
     await asyncio.sleep(args.warmup_s)
 
 
+async def one_swarm(args, log_dir: Path, slowdown: float, index: int, repeat: int) -> Dict[str, Any]:
+    """A fresh balanced swarm, then the slow replica's join: one before/after pair of windows."""
+    swarm = make_swarm(args, log_dir, f"{slowdown:g}x_r{repeat}")
+    try:
+        await bring_up(swarm, args)
+        result = await one_slowdown(swarm, args, slowdown, index)
+        records = await swarm.probe.records()
+        result["global_steps"] = max((r.step for r in records.values()), default=0)
+        result["rounds_applied_alone"] = sum(count_lines(p.log_path, "applying it alone") for p in swarm.processes
+                                             if p.role == "peer")
+        result["slow_replica_tolerance"] = args.slow_replica_tolerance
+        result["slow_nice"] = args.slow_nice
+        result["periods"], result["delay_per_sample_s"] = args.periods, args.delay_per_sample_s
+        result["load_avg_1m"] = round(os.getloadavg()[0], 2)
+        log(f"[{slowdown:g}x] repeat {repeat + 1}/{args.repeats}: ratio {result['throughput_ratio_after_vs_before']}")
+        return result
+    finally:
+        await asyncio.to_thread(swarm.close)
+
+
+def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The run of median ratio (the lower middle one of an even count), with every run's ratio beside it."""
+    ratios = [r["throughput_ratio_after_vs_before"] for r in runs]
+    ranked = sorted(range(len(runs)), key=lambda i: -math.inf if ratios[i] is None else ratios[i])
+    return {**runs[ranked[(len(runs) - 1) // 2]], "ratios": ratios, "repeats": len(runs)}
+
+
 async def main(args) -> List[Dict[str, Any]]:
     log_dir = make_log_dir(args.log_dir, "bench_slow_peer_")
     wall = time.monotonic()
@@ -224,22 +258,9 @@ async def main(args) -> List[Dict[str, Any]]:
         f"{[(r['slowdown'], r['throughput_ratio_after_vs_before']) for r in simulated['policy']]}, throughput-proportional "
         f"routing alone {[(r['slowdown'], r['throughput_ratio_after_vs_before']) for r in simulated['naive']]}")
     results = []
-    for index, slowdown in enumerate(args.slowdown_list):  # a fresh balanced swarm for each slowdown
-        swarm = make_swarm(args, log_dir, f"{slowdown:g}x")
-        try:
-            await bring_up(swarm, args)
-            result = await one_slowdown(swarm, args, slowdown, index)
-            records = await swarm.probe.records()
-            result["global_steps"] = max((r.step for r in records.values()), default=0)
-            result["rounds_applied_alone"] = sum(count_lines(p.log_path, "applying it alone") for p in swarm.processes
-                                                 if p.role == "peer")
-            result["slow_replica_tolerance"] = args.slow_replica_tolerance
-            result["slow_nice"] = args.slow_nice
-            result["periods"], result["delay_per_sample_s"] = args.periods, args.delay_per_sample_s
-            result["load_avg_1m"] = round(os.getloadavg()[0], 2)
-            results.append(result)
-        finally:
-            await asyncio.to_thread(swarm.close)
+    for index, slowdown in enumerate(args.slowdown_list):
+        runs = [await one_swarm(args, log_dir, slowdown, index, repeat) for repeat in range(args.repeats)]
+        results.append(median_run(runs))
     log(f"done in {time.monotonic() - wall:.0f}s; load {os.getloadavg()}")
     return results
 
