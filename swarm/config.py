@@ -114,7 +114,7 @@ class PeerConfig:
     overlap_averaging: bool = False  # keep computing the next step's gradients while a step is averaged: faster, but those gradients are one step stale
     max_batch_samples: int = 512  # largest request (samples) this peer accepts, and the most samples merged into one module call
     merge_backward: bool = False  # merge concurrent backward requests of one shape into one vectorised call, each micro-batch still clipped and accounted alone (costs more CPU than it saves on CPU; see swarm/server/batching.py)
-    speed_test_samples: int = 8  # made-up samples this peer times itself on when it starts (and when its speed figure goes stale), so that it announces a speed before trainers send it work; 0 = off: announce 0 until measured on served calls
+    speed_test_samples: int = 8  # made-up samples this peer times itself on when it starts (again when its speed figure goes stale, and every 30 s while it stands by), so that it announces a speed before trainers send it work; 0 = off: announce 0 until measured on served calls
     forward_cache_mb: float = 512.0  # MiB of training forwards' autograd state kept so that their backward skips recomputing the forward (oldest dropped first; 0 = always recompute)
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
     max_requests_per_caller: int = 64  # requests one caller may have in flight at this peer; more are answered 'busy'

@@ -312,3 +312,19 @@ def test_the_fastest_timed_round_sets_the_speed_and_a_slow_device_times_one_roun
     monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
     assert runner.measure_speed(4) == pytest.approx(4 / 90.0)
     assert calls == [False, True], "one warm-up round, then one timed round past the budget"
+
+
+def test_a_failed_speed_test_leaves_the_replica_serving_with_no_speed_announced():
+    import asyncio
+    from types import SimpleNamespace
+
+    from swarm.server.standby import StandbyWatch
+
+    async def compute(fn, *args):
+        raise RuntimeError("out of memory")
+
+    peer = SimpleNamespace(peer_id="p0", stage=0, config=SimpleNamespace(speed_test_samples=8),
+                           runner=SimpleNamespace(measure_speed=None), compute=compute)
+    watch = StandbyWatch(peer)
+    assert asyncio.run(watch.measure_speed()) == 0.0
+    assert watch.timed_at > 0, "not tried again before RETIME_S"

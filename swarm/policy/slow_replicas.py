@@ -20,7 +20,7 @@ Everything here is a pure function of plain numbers or a snapshot (no clocks, no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -43,7 +43,7 @@ def completion_times(throughputs: Sequence[float], queues: Sequence[float]) -> n
     return (ahead + 1.0) / rates
 
 
-def _rates_and_queues(throughputs: Sequence[float], queues: Sequence[float]) -> tuple:
+def _rates_and_queues(throughputs: Sequence[float], queues: Sequence[float]) -> Tuple[np.ndarray, np.ndarray]:
     rates = _non_negative(throughputs, "throughputs")
     ahead = _non_negative(queues, "queues")
     if rates.shape != ahead.shape:
