@@ -23,7 +23,8 @@ async def rebalance_loop(peer: "StagePeer") -> None:
     rng = random.Random(peer.peer_id)
     policy = peer.config.rebalance_policy
     while not peer.stopping.is_set():
-        if peer.runner.meter.samples_per_s <= 0:  # decide on measured throughput only: wait for real work
+        meter = peer.runner.meter
+        if not meter.served or meter.samples_per_s <= 0:  # decide on throughput measured on real work: wait for it
             await peer.sleep_or_progress(None, 0.5, 0.5)
             continue
         await peer.sleep_or_progress(None, next_period_s(policy, rng), 0.0)

@@ -79,6 +79,7 @@ class ThroughputMeter:
     def __init__(self, alpha: float = 0.2, warmup_calls: int = 1, stale_s: float = 120.0,
                  clock: Callable[[], float] = time.monotonic):
         self.alpha, self.warmup_calls, self.stale_s, self.clock = alpha, warmup_calls, stale_s, clock
+        self.served = 0  # served calls counted so far (a replica's own speed test is not one)
         self.cost_s: Dict[str, float] = {}
         self.updated_at: Dict[str, float] = {}
         self.calls: Dict[str, int] = {}
@@ -87,6 +88,7 @@ class ThroughputMeter:
         self.calls[kind] = self.calls.get(kind, 0) + 1
         if self.calls[kind] <= self.warmup_calls:
             return
+        self.served += 1
         now, cost = self.clock(), elapsed_s / max(samples, 1)
         old = self.cost_s.get(kind) if self._fresh(kind, now) else None
         self.cost_s[kind] = cost if old is None else (1 - self.alpha) * old + self.alpha * cost
