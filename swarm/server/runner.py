@@ -225,11 +225,13 @@ class StageRunner:
         self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
         return result
 
-    def _graph(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], measure: bool = False
-               ) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
+    def _graph(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], measure: bool = False,
+               count: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
         """Run the forward with autograd on: (the input leaf gradients flow to, or None on the first
-        stage; the outputs; bytes autograd saved for backward, when ``measure``)."""
-        self.num_forwards += 1
+        stage; the outputs; bytes autograd saved for backward, when ``measure``). ``count``: a forward
+        of served work (``num_forwards``), not of the replica's speed test."""
+        if count:
+            self.num_forwards += 1
         x = self._to_device(inputs)
         leaf = None if self.module.is_first else x.detach().requires_grad_(True)
         run = lambda: self.module(x if leaf is None else leaf, self._to_device(targets))  # noqa: E731
@@ -328,11 +330,9 @@ class StageRunner:
                 with torch.no_grad():
                     self.module(self._to_device(inputs), None)
                 seconds["forward"] = time.perf_counter() - start
-            x = self._to_device(inputs)
-            leaf = None if self.module.is_first else x.detach().requires_grad_(True)
             start = time.perf_counter()
+            leaf, outputs, _ = self._graph(inputs, targets, count=False)
             with torch.enable_grad():
-                outputs = self.module(x if leaf is None else leaf, self._to_device(targets))
                 wrt = self.params if leaf is None else [leaf] + self.params
                 torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
             self._entropy = entropy
