@@ -11,7 +11,7 @@ import torch
 
 from swarm.config import NetworkConfig
 from swarm.dht import start_dht
-from swarm.policy.aggregation import AggregationConfig
+from swarm.policy.aggregation import AggregationConfig, robust_aggregate
 from swarm.server.averaging import RoundResult, StageAverager
 from swarm.server.faults import GradientFault
 
@@ -41,10 +41,12 @@ class Group:
     def _initial_peers(self) -> List[str]:
         return [str(a) for a in self.dhts[0].get_visible_maddrs()] if self.dhts else []
 
-    async def round(self, grads: List[List[torch.Tensor]]) -> List[Optional[RoundResult]]:
+    async def round(self, grads: List[List[torch.Tensor]], samples: Optional[List[int]] = None
+                    ) -> List[Optional[RoundResult]]:
+        samples = samples or [SAMPLES] * len(grads)
         return list(await asyncio.gather(*(
-            averager.average(0, g, SAMPLES, {"step": 0, "samples": SAMPLES}, matchmaking_timeout=8.0, timeout=30.0)
-            for averager, g in zip(self.averagers, grads))))
+            averager.average(0, g, n, {"step": 0, "samples": n}, matchmaking_timeout=8.0, timeout=30.0)
+            for averager, g, n in zip(self.averagers, grads, samples))))
 
     def close(self) -> None:
         for averager in self.averagers:
@@ -153,6 +155,20 @@ async def test_int8_rounds_leave_honest_members_identical_and_still_catch_an_equ
     norm = torch.linalg.vector_norm
     error = float(norm(flat(results[0].tensors) - honest_mean) / norm(honest_mean))
     assert 0 < error < 0.02, error  # lossy, within int8's error
+
+
+async def test_a_member_with_no_samples_ends_with_what_the_others_average(group_factory):
+    """A replica that had no samples this step takes part with weight 0: it sends no values (see
+    ``test_robust_round``), and every member, itself included, ends with the robust mean of the others."""
+    grads = [honest_grads(i) for i in range(3)] + [[torch.zeros_like(s) for s in SHAPES]]
+    group = group_factory(["none"] * 4, robust=True)
+    results = await group.round(grads, samples=[SAMPLES, SAMPLES, SAMPLES, 0])
+    assert all(result is not None and len(result.included) == 4 for result in results), results
+    assert all(torch.equal(flat(results[0].tensors), flat(r.tensors)) for r in results[1:])
+    ids = [str(dht.peer_id) for dht in group.dhts[:3]]
+    expected = robust_aggregate({p: flat(g).to(torch.float32) for p, g in zip(ids, grads)}, dict.fromkeys(ids, SAMPLES),
+                                AggregationConfig())
+    assert torch.allclose(flat(results[3].tensors), expected.vector, rtol=1e-5, atol=1e-6)
 
 
 async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_of_clean(launcher, probe):

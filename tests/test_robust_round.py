@@ -30,6 +30,7 @@ class _Network:
         self.dropped: Set[Tuple[str, str, str]] = set()
         self.dead: Set[str] = set()
         self.ghosts: Set[str] = set()  # placed in the group but never joined the round: holds streams open
+        self.value_bytes: Dict[Tuple[str, str], int] = {}  # (sender, kind) -> tensor bytes it sent
 
 
 class _Link:
@@ -42,6 +43,9 @@ class _Link:
         sent = [message async for message in messages]
         kind = MSGPackSerializer.loads(sent[0].peer_id)["kind"]
         link = (str(self.sender), str(self.receiver), kind)
+        sent_bytes = sum(len(message.tensor_part.buffer) for message in sent)
+        key = (str(self.sender), kind)
+        self.network.value_bytes[key] = self.network.value_bytes.get(key, 0) + sent_bytes
         if str(self.receiver) in self.network.dead or link in self.network.dropped:
             raise ConnectionError(f"{link} does not arrive")
         if str(self.receiver) in self.network.ghosts:
@@ -69,14 +73,19 @@ def _gradient(seed: int) -> torch.Tensor:
     return torch.ones(SIZE) + 0.1 * torch.randn(SIZE, generator=torch.Generator().manual_seed(seed))
 
 
-async def _play(members, network: _Network, timeout: float, chunk_timeout: float) -> List[Optional[torch.Tensor]]:
-    """One round among the live members; what each applied (None: it sat the round out)."""
+async def _play(members, network: _Network, timeout: float, chunk_timeout: float,
+                samples: Optional[List[float]] = None, compression: str = "none",
+                send_override=None) -> List[Optional[torch.Tensor]]:
+    """One round among the live members; what each applied (None: it sat the round out). ``samples``: what
+    each member claims (16 each by default); ``send_override``: member index -> what it sends instead."""
     peer_ids = [peer_id for peer_id, _ in members]
+    samples = samples or [16.0] * len(members)
     for index, (peer_id, key) in enumerate(members):
         network.rounds[str(peer_id)] = RobustRound(
             stub_for=lambda receiver, sender=peer_id: _Link(network, sender, receiver), group_id=b"group",
-            peer_ids=peer_ids, peer_id=peer_id, vector=_gradient(index), samples=16.0, key=key,
-            config=AggregationConfig(), banned=set(), timeout=timeout, chunk_timeout=chunk_timeout)
+            peer_ids=peer_ids, peer_id=peer_id, vector=_gradient(index), samples=samples[index], key=key,
+            config=AggregationConfig(), banned=set(), timeout=timeout, chunk_timeout=chunk_timeout,
+            compression=compression, send_override=(send_override or {}).get(index))
 
     async def one(peer_id: PeerID) -> Optional[torch.Tensor]:
         try:
@@ -159,3 +168,30 @@ def test_the_inputs_digest_covers_senders_hashes_and_claimed_samples(members):
     assert digest != inputs_digest({str(p): one})
     assert digest != inputs_digest({str(p): one, str(q): sign_commitment(other_key, b"g", str(q), 16.0, SIZE, "2" * 64)})
     assert digest != inputs_digest({str(p): one, str(q): sign_commitment(other_key, b"g", str(q), 15.0, SIZE, "1" * 64)})
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_a_member_with_no_samples_sends_no_values_and_applies_what_the_others_apply(members, compression):
+    """D had no samples this step (weight 0): it uploads no gradient values, yet every member, D included,
+    applies the very result that A, B and C reach in a round of their own."""
+    d = str(members[3][0])
+    network = _Network()
+    applied = await _play(members, network, timeout=6.0, chunk_timeout=1.0, samples=[16.0, 16.0, 16.0, 0.0],
+                          compression=compression)
+    assert network.value_bytes[(d, "gradient")] == 0
+    assert network.value_bytes[(str(members[0][0]), "gradient")] > 0
+    assert all(vector is not None for vector in applied) and _distinct(applied) == 1
+    alone = await _play(members[:3], _Network(), timeout=6.0, chunk_timeout=1.0, compression=compression)
+    assert torch.equal(applied[0], alone[0])
+
+
+async def test_a_member_that_claims_no_samples_but_sends_values_is_refused(members):
+    """Values under a claim of no samples are refused by every receiver; the others apply their round alike,
+    and the member that sent them, whose gradient nobody holds, sits it out."""
+    d = str(members[3][0])
+    network = _Network()
+    applied = await _play(members, network, timeout=6.0, chunk_timeout=1.0, samples=[16.0, 16.0, 16.0, 0.0],
+                          send_override={3: lambda index, vector: vector + 1.0})
+    assert applied[3] is None
+    assert all(vector is not None for vector in applied[:3]) and _distinct(applied) == 1
+    assert "sent values" in network.rounds[str(members[0][0])].refused[d]

@@ -30,7 +30,13 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 __all__ = ["AggregationConfig", "Aggregate", "bounded_weights", "coordinate_median", "clip_radius",
-           "centered_clip", "equivocators", "robust_aggregate", "banned_by_majority"]
+           "centered_clip", "equivocators", "robust_aggregate", "banned_by_majority", "adds_nothing"]
+
+
+def adds_nothing(samples: float) -> bool:
+    """Whether a member claiming ``samples`` has nothing to add to the round (it had no samples this step):
+    it takes part with weight 0, so its values would never count and it sends none."""
+    return samples < 1
 
 
 @dataclass
@@ -153,7 +159,7 @@ def robust_aggregate(contributions: Mapping[str, torch.Tensor], claims: Mapping[
             excluded[peer] = bans[peer] = "sent non-finite gradients"
         elif not math.isfinite(claims.get(peer, 0)):
             excluded[peer] = f"claimed {claims.get(peer)!r} samples"
-        elif claims.get(peer, 0) < 1:
+        elif adds_nothing(claims.get(peer, 0)):
             empty.append(peer)  # a member that had no samples this step: it takes part, with nothing to add
         else:
             peers.append(peer)

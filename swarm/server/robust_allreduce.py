@@ -37,7 +37,10 @@ the sender included, aggregates the *decoded* gradients, its own too: all hold t
 results stay bit-identical, and what a member aggregates of its own is what the others received.
 
 Costs: each member sends its gradient to n-1 peers (a butterfly sends about 2x(n-1)/n of it), which
-is the price of letting every member check every contribution; stage groups are small.
+is the price of letting every member check every contribution; stage groups are small. A member that had
+no samples this step (a replica standing by, or one that just joined) has weight 0, so it sends its
+signed commitment with no values, and everyone aggregates zeros in their place: it receives the others'
+gradients and ends with the same result, at no upload cost.
 """
 
 from __future__ import annotations
@@ -59,10 +62,10 @@ from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 from swarm.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
                                compress, decompress, num_blocks)
 from swarm.identity import peer_id_of
-from swarm.policy.aggregation import Aggregate, AggregationConfig, equivocators, robust_aggregate
+from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing, equivocators, robust_aggregate
 
 __all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "inputs_digest",
-           "decision_is_confirmed", "sign_commitment", "check_commitment", "pack", "unpack", "CHUNK_ELEMENTS",
+           "decision_is_confirmed", "sign_commitment", "check_commitment", "pack", "unpack", "nothing", "CHUNK_ELEMENTS",
            "CHUNK_BYTES"]
 
 logger = get_logger(__name__)
@@ -160,6 +163,14 @@ def pack(vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BL
     return Packed(_chunks(raw, CHUNK_BYTES), compressed_hash(codec, block_size, data), decompress(compressed))
 
 
+def nothing(size: int, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
+    """What a member with no samples sends: no values at all, hashed as an empty payload of the round's codec.
+    Its weight is 0 (:func:`~swarm.policy.aggregation.adds_nothing`), so its values would never count; every
+    member, the sender included, aggregates zeros in their place."""
+    sha256 = vector_hash(torch.empty(0)) if codec == "none" else compressed_hash(codec, block_size, b"")
+    return Packed([], sha256, torch.zeros(size))
+
+
 def _wire_length(size: int, codec: str, block_size: int) -> int:
     """Elements a gradient of ``size`` values takes on the stream: float32 values, or compressed bytes."""
     if codec == "none":
@@ -255,6 +266,9 @@ class RobustRound:
         check_commitment(commitment, self.group_id, self.size, sender)
         self._note(commitment)
         self._started.add(sender)
+        if adds_nothing(commitment.samples):
+            self._receive_nothing(sender, commitment, first)
+            return
         dtype = torch.float32 if self.compression == "none" else torch.uint8
         length = _wire_length(self.size, self.compression, self.block_size)
         parts, count, message = [], 0, first
@@ -271,6 +285,16 @@ class RobustRound:
             raise ValueError(f"sent {count} elements, a gradient of the round takes {length}")
         vector = unpack(parts, self.size, commitment.sha256, self.compression, self.block_size)
         self.received[sender], self.commitments[sender] = vector, commitment
+        self._check_done()
+
+    def _receive_nothing(self, sender: str, commitment: Commitment, first: averaging_pb2.AveragingData) -> None:
+        """A groupmate that claims no samples: it must send no values, and sign the hash of none."""
+        if first.tensor_part.buffer:
+            raise ValueError(f"claimed {commitment.samples:g} samples but sent values")
+        expected = nothing(0, self.compression, self.block_size).sha256
+        if commitment.sha256 != expected:
+            raise ValueError(f"claimed {commitment.samples:g} samples but signed the hash of values")
+        self.received[sender], self.commitments[sender] = torch.zeros(self.size), commitment
         self._check_done()
 
     def _receive_echo(self, sender: str, header: Dict[str, Any]) -> None:
@@ -331,11 +355,13 @@ class RobustRound:
         except Exception as e:
             logger.debug(f"sending to {peer} failed: {type(e).__name__}: {e}")
 
-    async def _pack(self, vector: torch.Tensor) -> Tuple[Commitment, Packed]:
-        """``vector`` serialized (and compressed) once, off the event loop, with its signed commitment."""
+    async def _pack(self, vector: torch.Tensor, empty: bool = False) -> Tuple[Commitment, Packed]:
+        """``vector`` serialized (and compressed) once, off the event loop, with its signed commitment;
+        ``empty``: no values (see :func:`nothing`)."""
         loop = asyncio.get_running_loop()
         try:
-            packed = await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
+            packed = nothing(self.size, self.compression, self.block_size) if empty else \
+                await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
         except CompressionError as e:
             raise IncompleteRound(f"this member's gradient cannot be sent in {self.compression}: {e}") from None
         commitment = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.size, packed.sha256)
@@ -350,7 +376,7 @@ class RobustRound:
         self._sends.append(sending)
 
     async def _send_gradients(self) -> None:
-        own, packed = await self._pack(self.vector)  # the same bytes for every groupmate
+        own, packed = await self._pack(self.vector, adds_nothing(self.samples))  # the same bytes for every groupmate
         self._note(own)
         self.commitments[str(self.peer_id)] = own
         self.contribution = packed.vector
