@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
 from hivemind.dht.node import DHTNode  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
-from hivemind.dht.validation import CompositeValidator, DHTRecord  # noqa: E402
+from hivemind.dht.validation import DHTRecord  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer  # noqa: E402
 
@@ -57,6 +57,7 @@ from swarm.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, ru
 from swarm.simulate.dht_traffic import (  # noqa: E402
     MESSAGE_CAP_BYTES, TrafficModel, calibrate, per_peer_bytes_per_s, shard_value_bytes,
 )
+from swarm.validator_cache import RememberingValidator  # noqa: E402
 
 RUN_ID = "cp_bench"
 LOOKUP_TIMEOUT_S = 5.0  # a live peer's (Directory.read's and .store's default)
@@ -174,8 +175,8 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
         participants = []
         for index in range(num_peers):
             identity = load_or_create_identity(None)
-            validator = CompositeValidator([RSASignatureValidator(identity.private_key),
-                                            run_schema_validator(RUN_ID, num_stages)])
+            validator = RememberingValidator([RSASignatureValidator(identity.private_key),
+                                              run_schema_validator(RUN_ID, num_stages)])  # as start_dht sets up
             initial = await nodes[0].get_visible_maddrs() if nodes else None
             nodes.append(await DHTNode.create(initial_peers=initial, record_validator=validator,
                                               host_maddrs=["/ip4/127.0.0.1/tcp/0"], cache_locally=False))

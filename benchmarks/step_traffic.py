@@ -12,8 +12,11 @@ default periods (announce every 1 s, read every 0.25 s; not the tests' fast ones
 applied its first global step, every peer's ``swarm_dht_keys`` counters (``--metrics_port``) are scraped at
 the start and at the end of a ``--window_s`` window.
 
-Reported per setting: the mean step length and samples/s of the window, and per peer the DHT keys stored
-and read per second (their mean over the peers). Last line: a JSON list, one object per setting.
+Reported per setting: the mean step length and samples/s of the window, per peer the DHT keys stored
+and read per second (their mean over the peers), and the CPU each peer's processes took over the window
+(cores, mean over the peers): its main process (serving, stepping, announcing), its helpers (hivemind's
+DHT process, which runs every lookup and store and checks every record they carry, and the averager)
+and its p2pd. Last line: a JSON list, one object per setting.
 
 Usage: python benchmarks/step_traffic.py [--target_batch_sizes 256,4096] [--window_s 60]
 """
@@ -35,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _roles import cpu_seconds_by_kind  # noqa: E402
 from _swarm import TINY_MODEL, LiveSwarm, free_port, install_signal_handlers, log, make_log_dir  # noqa: E402
 
 NUM_STAGES = 2
@@ -82,11 +86,12 @@ async def measure(target: int, args, log_dir: Path) -> Dict[str, Any]:
         last = NUM_STAGES - 1
         await swarm.wait_for(lambda r: any(x.stage == last and x.step >= 1 for x in r.values()), 300.0,
                              "the first global step")
+        roots = {f"peer{i}": p.pid for i, p in enumerate(peers)}
         start = await swarm.snapshot()
-        before = [await asyncio.to_thread(dht_keys, url) for url in urls]
+        before, cpu_before = [await asyncio.to_thread(dht_keys, url) for url in urls], cpu_seconds_by_kind(roots)
         await asyncio.sleep(args.window_s)
         end = await swarm.snapshot()
-        after = [await asyncio.to_thread(dht_keys, url) for url in urls]
+        after, cpu_after = [await asyncio.to_thread(dht_keys, url) for url in urls], cpu_seconds_by_kind(roots)
     finally:
         await asyncio.to_thread(swarm.close, 20.0)
     elapsed = end.t - start.t
@@ -97,12 +102,17 @@ async def measure(target: int, args, log_dir: Path) -> Dict[str, Any]:
 
     (step0, applied0), (step1, applied1) = clock(start), clock(end)
     per_peer = {op: [(a[op] - b[op]) / elapsed for a, b in zip(after, before)] for op in ("store", "read")}
+    cores = {kind: statistics.mean((cpu_after.get(f"{name} {kind}", 0.0) - cpu_before.get(f"{name} {kind}", 0.0)) / elapsed
+                                   for name in roots)
+             for kind in ("python", "helpers", "p2pd")}
     return {
         "target_batch_size": target, "window_s": round(elapsed, 1), "global_steps": step1 - step0,
         "step_s": round(elapsed / (step1 - step0), 2) if step1 > step0 else None,
         "samples_per_s": round((applied1 - applied0) / elapsed, 1),
         "dht_keys_per_s_per_peer": {op: round(statistics.mean(v), 2) for op, v in per_peer.items()},
         "dht_keys_per_s_by_peer": {op: [round(x, 2) for x in v] for op, v in per_peer.items()},
+        "cores_per_peer": {"main": round(cores["python"], 3), "helpers": round(cores["helpers"], 3),
+                           "p2pd": round(cores["p2pd"], 3)},
     }
 
 
@@ -114,8 +124,8 @@ async def main(args) -> List[Dict[str, Any]]:
         row = await measure(target, args, log_dir)
         log(f"target {target}: {row['global_steps']} steps in {row['window_s']} s (one per {row['step_s']} s), "
             f"{row['samples_per_s']} samples/s; DHT keys per peer per second: stored "
-            f"{row['dht_keys_per_s_per_peer']['store']}, read {row['dht_keys_per_s_per_peer']['read']} "
-            f"({time.monotonic() - started:.0f} s wall)")
+            f"{row['dht_keys_per_s_per_peer']['store']}, read {row['dht_keys_per_s_per_peer']['read']}; "
+            f"cores per peer {row['cores_per_peer']} ({time.monotonic() - started:.0f} s wall)")
         rows.append(row)
     return rows
 

@@ -4,7 +4,8 @@ Every node runs the same validators: ``RSASignatureValidator`` with the node's o
 (it signs what this node stores under its ``[owner:...]`` subkey and checks everyone else's
 signatures) and, once the run is known, the run's schema (``swarm.records.run_schema_validator``).
 hivemind applies them both when a node is asked to store a value and when a lookup returns one,
-so a node that stores junk in its own storage cannot make an honest reader accept it.
+so a node that stores junk in its own storage cannot make an honest reader accept it. A record
+accepted once is not verified again while it stays unchanged (:mod:`swarm.validator_cache`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from swarm.config import NetworkConfig, RunConfig
 from swarm.identity import Identity, key_file_for_start, load_or_create_identity
 from swarm.listening import listen_and_announce
 from swarm.records import run_schema_validator
+from swarm.validator_cache import RememberingValidator
 
 __all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
 
@@ -54,6 +56,7 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     validators = [RSASignatureValidator(identity.private_key)]
     if run_id is not None:
         validators.append(run_schema_validator(run_id, num_stages))
+    validators = [RememberingValidator(validators)]  # an unchanged record is verified once, not on every read
     extra: Dict[str, Any] = {} if authorizer is None else {"authorizer": authorizer}
     # a freshly generated key cannot be in use yet: skip the extra daemon that checks it
     extra.update({"check_if_identity_free": not identity.fresh, **(p2p_options or {})})

@@ -1,0 +1,66 @@
+"""Record validators that remember which records they accepted, so that an unchanged record is checked once.
+
+A node checks every record it is asked to store and every record a lookup returns (see :mod:`swarm.dht`):
+an RSA signature and the run's schema (a pydantic model) per subkey. A replica reads its stage several
+times a second near a step, each read asks several DHT nodes, and each answer holds the whole stage, so
+the same few records, which change about once an announce period, were verified dozens of times a
+second: in a small swarm about a third of each DHT process's CPU.
+
+Whether a record is valid depends only on the record (key, subkey, value with its signature, expiration
+time) and on the validators, which do not change once the node runs. So a record exactly equal to one
+accepted before is accepted again without checking; anything that differs in one byte or in its
+expiration time is checked in full. Only acceptances are remembered (a refused record is checked again
+each time it comes), at most ``capacity`` of them, the least recently seen dropped first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Tuple
+
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+
+__all__ = ["RememberingValidator", "ACCEPTED_CAPACITY"]
+
+ACCEPTED_CAPACITY = 4096  # accepted records remembered per node (a signed run record is at most about 2 KB)
+
+
+class RememberingValidator(RecordValidatorBase):
+    """``validators`` combined as hivemind combines them (:class:`CompositeValidator`), with the records they
+    accepted remembered. Signing and stripping are those of the combination, unchanged."""
+
+    def __init__(self, validators: Iterable[RecordValidatorBase], capacity: int = ACCEPTED_CAPACITY):
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        validators = list(validators)
+        self._priority = max((validator.priority for validator in validators), default=0)
+        self._combined = CompositeValidator(validators)
+        self._accepted: "OrderedDict[Tuple[bytes, bytes, bytes, float], None]" = OrderedDict()
+        self.capacity = capacity
+        self.checked = 0  # records checked in full
+        self.remembered = 0  # records accepted without checking
+
+    def validate(self, record: DHTRecord) -> bool:
+        seen = (record.key, record.subkey, record.value, record.expiration_time)
+        if seen in self._accepted:
+            self._accepted.move_to_end(seen)
+            self.remembered += 1
+            return True
+        self.checked += 1
+        if not self._combined.validate(record):
+            return False
+        self._accepted[seen] = None
+        if len(self._accepted) > self.capacity:
+            self._accepted.popitem(last=False)
+        return True
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        return self._combined.sign_value(record)
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return self._combined.strip_value(record)
+
+    @property
+    def priority(self) -> int:
+        """The highest of the combined validators': as early among other validators as the earliest of them."""
+        return self._priority
