@@ -21,8 +21,11 @@ the end (``view_share_min``, the smallest).
 Simulated: :mod:`swarm.simulate.dht_traffic`, its per-byte overhead calibrated on the live figures,
 at 1,000 and 10,000 peers; the largest message there is one shard's value.
 
+Also measured: the CPU a node spends checking one lookup answer that holds a full shard, with hivemind's
+validators alone and once the node remembers records it accepted (:mod:`swarm.validator_cache`).
+
 Last line: a JSON list of ``{"peers", "dht_bytes_per_s_per_peer", "max_record_bytes", "lookup_ms_p50",
-"source"}`` rows, with the largest message and the directory level per row.
+"source"}`` rows, with the largest message, the directory level and ``check_ms_per_shard_answer`` per row.
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hivemind.dht.crypto import RSASignatureValidator  # noqa: E402
 from hivemind.dht.node import DHTNode  # noqa: E402
 from hivemind.dht.routing import DHTID  # noqa: E402
-from hivemind.dht.validation import DHTRecord  # noqa: E402
+from hivemind.dht.validation import CompositeValidator, DHTRecord  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer  # noqa: E402
 
 from swarm import PROTOCOL_VERSION  # noqa: E402
 from swarm.directory import PROBE_PERIOD_S, Directory  # noqa: E402
 from swarm.identity import Identity, load_or_create_identity  # noqa: E402
-from swarm.policy.directory import level_for  # noqa: E402
+from swarm.policy.directory import SHARD_CAPACITY, level_for  # noqa: E402
 from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS  # noqa: E402
 from swarm.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, run_schema_validator  # noqa: E402
 from swarm.simulate.dht_traffic import (  # noqa: E402
@@ -100,6 +103,35 @@ def stored_record_bytes(identity: Identity, validator, stage: int) -> int:
                        value=MSGPackSerializer.dumps(_record(identity, stage).model_dump(mode="json")),
                        expiration_time=1e10)
     return len(validator.sign_value(record)) + len(identity.owner_subkey)
+
+
+def checking_ms_per_shard(num_stages: int, repeats: int = 20) -> Dict[str, float]:
+    """CPU milliseconds a node spends checking one lookup answer that holds a full shard (``SHARD_CAPACITY``
+    full-size signed records): with hivemind's validators alone (what every answer cost before nodes remembered
+    accepted records), and with :class:`RememberingValidator` once it has seen those records (an answer
+    that repeats what the node read a moment ago, as most answers near a step do)."""
+    owners = [load_or_create_identity(None) for _ in range(SHARD_CAPACITY)]
+    answer = []
+    for owner in owners:
+        signer = CompositeValidator([RSASignatureValidator(owner.private_key), run_schema_validator(RUN_ID, num_stages)])
+        record = DHTRecord(key=DHTID.generate(source=f"{RUN_ID}_stage0").to_bytes(),
+                           subkey=MSGPackSerializer.dumps(owner.owner_subkey),
+                           value=MSGPackSerializer.dumps(_record(owner, 0).model_dump(mode="json")), expiration_time=1e10)
+        answer.append(DHTRecord(record.key, record.subkey, signer.sign_value(record), record.expiration_time))
+    reader = load_or_create_identity(None)
+    checks = {"checked": [RSASignatureValidator(reader.private_key), run_schema_validator(RUN_ID, num_stages)]}
+    checks["remembered"] = [RememberingValidator(checks["checked"])]
+    result = {}
+    for name, validators in checks.items():
+        validator = CompositeValidator(validators)
+        if not all(validator.validate(record) for record in answer):  # also what makes them remembered
+            raise RuntimeError("the benchmark's own records do not validate")
+        started = time.process_time()
+        for _ in range(repeats):
+            for record in answer:
+                validator.validate(record)
+        result[name] = round(1000 * (time.process_time() - started) / repeats, 3)
+    return result
 
 
 class _NodeAsDHT:
@@ -246,6 +278,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--model_peers", default="1000,10000", help="comma list of modelled swarm sizes")
     args = parser.parse_args(argv)
     _count_rpc_bytes()
+    checking = checking_ms_per_shard(args.stages)
+    print(f"checking a lookup answer of a full shard ({SHARD_CAPACITY} records): {checking['checked']} ms of CPU with "
+          f"hivemind's validators, {checking['remembered']} ms once the node remembers them", flush=True)
     rows = []
     for num_peers in (int(x) for x in args.peers.split(",")):
         row = asyncio.run(live(num_peers, args.stages, args))
@@ -272,6 +307,8 @@ def main(argv: List[str]) -> int:
         print(f"model {num_peers:>6} peers: {rows[-1]['dht_bytes_per_s_per_peer']:>10.0f} B/s per peer; largest message "
               f"{largest:.0f} B ({100 * largest / MESSAGE_CAP_BYTES:.2f}% of the 4 MiB cap; one key per stage would "
               f"be {one_key / 2**20:.1f} MiB)")
+    for row in rows:
+        row["check_ms_per_shard_answer"] = checking
     print(json.dumps(rows))
     return 0
 

@@ -3,26 +3,31 @@
 A node checks every record it is asked to store and every record a lookup returns (see :mod:`swarm.dht`):
 an RSA signature and the run's schema (a pydantic model) per subkey. A replica reads its stage several
 times a second near a step, each read asks several DHT nodes, and each answer holds the whole stage, so
-the same few records, which change about once an announce period, were verified dozens of times a
-second: in a small swarm about a third of each DHT process's CPU.
+the same few records, which change about once an announce period, would be verified dozens of times a
+second: in a small swarm, about a third of each DHT process's CPU.
 
 Whether a record is valid depends only on the record (key, subkey, value with its signature, expiration
 time) and on the validators, which do not change once the node runs. So a record exactly equal to one
 accepted before is accepted again without checking; anything that differs in one byte or in its
 expiration time is checked in full. Only acceptances are remembered (a refused record is checked again
-each time it comes), at most ``capacity`` of them, the least recently seen dropped first.
+each time it comes), each as the SHA-256 of the whole record (32 bytes, however large the record), at
+most ``capacity`` of them, the least recently seen dropped first.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from typing import Iterable, Tuple
+from typing import Iterable
 
 from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.utils import MSGPackSerializer
 
 __all__ = ["RememberingValidator", "ACCEPTED_CAPACITY"]
 
-ACCEPTED_CAPACITY = 4096  # accepted records remembered per node (a signed run record is at most about 2 KB)
+# accepted records remembered per node: records change about once an announce period, so what comes again is
+# what changed in the last seconds (a few shards of at most 32 records each) and what this node keeps for others
+ACCEPTED_CAPACITY = 4096
 
 
 class RememberingValidator(RecordValidatorBase):
@@ -35,13 +40,14 @@ class RememberingValidator(RecordValidatorBase):
         validators = list(validators)
         self._priority = max((validator.priority for validator in validators), default=0)
         self._combined = CompositeValidator(validators)
-        self._accepted: "OrderedDict[Tuple[bytes, bytes, bytes, float], None]" = OrderedDict()
+        self._accepted: "OrderedDict[bytes, None]" = OrderedDict()  # SHA-256 of each accepted record
         self.capacity = capacity
         self.checked = 0  # records checked in full
         self.remembered = 0  # records accepted without checking
 
     def validate(self, record: DHTRecord) -> bool:
-        seen = (record.key, record.subkey, record.value, record.expiration_time)
+        seen = hashlib.sha256(MSGPackSerializer.dumps(
+            (record.key, record.subkey, record.value, float(record.expiration_time)))).digest()
         if seen in self._accepted:
             self._accepted.move_to_end(seen)
             self.remembered += 1
