@@ -65,8 +65,8 @@ from swarm.identity import peer_id_of
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing, equivocators, robust_aggregate
 
 __all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "inputs_digest",
-           "decision_is_confirmed", "sign_commitment", "check_commitment", "pack", "unpack", "nothing", "CHUNK_ELEMENTS",
-           "CHUNK_BYTES"]
+           "decision_is_confirmed", "sign_commitment", "check_commitment", "pack", "unpack", "empty_contribution",
+           "CHUNK_ELEMENTS", "CHUNK_BYTES"]
 
 logger = get_logger(__name__)
 CHUNK_ELEMENTS = 2**17  # float32 values per streamed chunk (512 KiB)
@@ -163,7 +163,7 @@ def pack(vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BL
     return Packed(_chunks(raw, CHUNK_BYTES), compressed_hash(codec, block_size, data), decompress(compressed))
 
 
-def nothing(size: int, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
+def empty_contribution(size: int, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
     """What a member with no samples sends: no values at all, hashed as an empty payload of the round's codec.
     Its weight is 0 (:func:`~swarm.policy.aggregation.adds_nothing`), so its values would never count; every
     member, the sender included, aggregates zeros in their place."""
@@ -267,7 +267,7 @@ class RobustRound:
         self._note(commitment)
         self._started.add(sender)
         if adds_nothing(commitment.samples):
-            self._receive_nothing(sender, commitment, first)
+            self._receive_empty(sender, commitment, first)
             return
         dtype = torch.float32 if self.compression == "none" else torch.uint8
         length = _wire_length(self.size, self.compression, self.block_size)
@@ -287,11 +287,11 @@ class RobustRound:
         self.received[sender], self.commitments[sender] = vector, commitment
         self._check_done()
 
-    def _receive_nothing(self, sender: str, commitment: Commitment, first: averaging_pb2.AveragingData) -> None:
+    def _receive_empty(self, sender: str, commitment: Commitment, first: averaging_pb2.AveragingData) -> None:
         """A groupmate that claims no samples: it must send no values, and sign the hash of none."""
         if first.tensor_part.buffer:
             raise ValueError(f"claimed {commitment.samples:g} samples but sent values")
-        expected = nothing(0, self.compression, self.block_size).sha256
+        expected = empty_contribution(0, self.compression, self.block_size).sha256
         if commitment.sha256 != expected:
             raise ValueError(f"claimed {commitment.samples:g} samples but signed the hash of values")
         self.received[sender], self.commitments[sender] = torch.zeros(self.size), commitment
@@ -357,10 +357,10 @@ class RobustRound:
 
     async def _pack(self, vector: torch.Tensor, empty: bool = False) -> Tuple[Commitment, Packed]:
         """``vector`` serialized (and compressed) once, off the event loop, with its signed commitment;
-        ``empty``: no values (see :func:`nothing`)."""
+        ``empty``: no values (see :func:`empty_contribution`)."""
         loop = asyncio.get_running_loop()
         try:
-            packed = nothing(self.size, self.compression, self.block_size) if empty else \
+            packed = empty_contribution(self.size, self.compression, self.block_size) if empty else \
                 await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
         except CompressionError as e:
             raise IncompleteRound(f"this member's gradient cannot be sent in {self.compression}: {e}") from None
