@@ -26,7 +26,8 @@ from hivemind.utils import MSGPackSerializer
 __all__ = ["RememberingValidator", "ACCEPTED_CAPACITY"]
 
 # accepted records remembered per node: records change about once an announce period, so what comes again is
-# what changed in the last seconds (a few shards of at most 32 records each) and what this node keeps for others
+# what changed in the last seconds (a few shards of about swarm.policy.directory.SHARD_CAPACITY records each) and
+# what this node keeps for others
 ACCEPTED_CAPACITY = 4096
 
 
