@@ -29,6 +29,8 @@ from typing import Tuple
 
 import torch
 
+from swarm.finite import all_finite
+
 __all__ = ["CODECS", "DEFAULT_BLOCK_SIZE", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE", "CompressionError", "Compressed",
            "check_codec", "check_block_size", "compress", "decompress", "error_bound", "num_blocks"]
 
@@ -136,7 +138,7 @@ def _flat_float32(tensor: torch.Tensor) -> torch.Tensor:
         kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
         raise CompressionError(f"only float32, float16 and bfloat16 tensors can be compressed, got {kind}")
     flat = tensor.detach().cpu().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise CompressionError("tensor holds NaN or inf, which cannot be compressed")
     return flat
 
@@ -208,7 +210,7 @@ def decompress(c: Compressed) -> torch.Tensor:
         values = _from_bytes(c.data, torch.float16).to(torch.float32)
     else:
         values = _dequantize_int8(_decode_codes(c), _decode_scales(c), c.block_size)
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise CompressionError(f"{c.codec} data decodes to NaN or inf")
     return values.view(c.shape)
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from swarm.finite import all_finite
+
 __all__ = [
     "MAX_BATCH_SIZE",
     "ModelConfig",
@@ -287,7 +289,7 @@ class StageModule(nn.Module):
                 f"got shape {tuple(hidden.shape)}"
             )
         self._check_batch_and_length("hidden states", hidden.shape[0], hidden.shape[1], where)
-        if not bool(torch.isfinite(hidden).all()):
+        if not all_finite(hidden):
             kind = "NaN" if bool(torch.isnan(hidden).any()) else "inf"
             raise ValueError(f"{where}: hidden states contain {kind} values")
 

@@ -36,6 +36,7 @@ from hivemind.utils import get_logger
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
 from swarm.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, num_blocks
+from swarm.finite import all_finite
 from swarm.metrics import count_ban
 from swarm.model import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
@@ -115,7 +116,7 @@ def _check_tensor(reply: Mapping, key: str, shape: Tuple[int, ...], dtype: torch
         return f"{key!r} has dtype {value.dtype}, expected {dtype}"
     if tuple(value.shape) != tuple(shape):
         return f"{key!r} has shape {tuple(value.shape)}, expected {tuple(shape)}"
-    if not bool(torch.isfinite(value).all()):
+    if not all_finite(value):
         return f"{key!r} contains NaN or inf values"
     return None
 

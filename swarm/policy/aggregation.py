@@ -29,6 +29,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
+from swarm.finite import all_finite
+
 __all__ = ["AggregationConfig", "Aggregate", "bounded_weights", "coordinate_median", "clip_radius",
            "centered_clip", "equivocators", "robust_aggregate", "banned_by_majority", "adds_nothing"]
 
@@ -155,7 +157,7 @@ def robust_aggregate(contributions: Mapping[str, torch.Tensor], claims: Mapping[
             excluded[peer] = "banned earlier"
         elif peer in equivocated:
             excluded[peer] = bans[peer] = "signed two different gradients for one round"
-        elif not bool(torch.isfinite(vector).all()):
+        elif not all_finite(vector):
             excluded[peer] = bans[peer] = "sent non-finite gradients"
         elif not math.isfinite(claims.get(peer, 0)):
             excluded[peer] = f"claimed {claims.get(peer)!r} samples"

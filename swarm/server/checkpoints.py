@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import torch
 from hivemind.utils import get_logger
 
+from swarm.finite import all_finite
+
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
 
@@ -30,7 +32,7 @@ def checkpoint_path(directory: str, run_id: str, stage: int) -> Path:
 
 def non_finite_indices(tensors: Sequence[torch.Tensor]) -> List[int]:
     """The positions of the tensors that hold a NaN or infinite value."""
-    return [i for i, t in enumerate(tensors) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [i for i, t in enumerate(tensors) if not all_finite(t)]
 
 
 def save_checkpoint(path: Path, run_id: str, metadata: Dict[str, int], tensors: List[torch.Tensor]) -> None:

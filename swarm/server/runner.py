@@ -34,6 +34,7 @@ import torch
 from hivemind.utils import get_logger
 
 from swarm.config import RunConfig
+from swarm.finite import all_finite
 from swarm.model import StageModule, build_stage
 from swarm.optimizer import batch_share, make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
@@ -126,7 +127,7 @@ def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where
             f"{where}: grad_outputs must be {outputs.dtype} of shape {tuple(outputs.shape)}, "
             f"got {grad_outputs.dtype} of shape {tuple(grad_outputs.shape)}"
         )
-    if not bool(torch.isfinite(grad_outputs).all()):
+    if not all_finite(grad_outputs):
         raise ValueError(f"{where}: grad_outputs contain NaN or inf values")
 
 
@@ -277,7 +278,7 @@ class StageRunner:
                 grads = torch.autograd.grad(outputs, wrt, self._to_device(grad_outputs))
             grad_inputs = None if leaf is None else grads[0].cpu()
             param_grads = grads if leaf is None else grads[1:]
-            if not all(bool(torch.isfinite(g).all()) for g in param_grads):
+            if not all(all_finite(g) for g in param_grads):
                 raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
             if accumulate:
                 accum_step = self._accumulate(micro_batch_id, batch, param_grads)
@@ -437,7 +438,7 @@ class StageRunner:
 
     def _account_merged(self, micro_batch_id: str, batch: int, merged: Any, k: int) -> object:
         param_grads = [g[k] for g in merged.param_grads]
-        if not all(bool(torch.isfinite(g).all()) for g in param_grads):
+        if not all(all_finite(g) for g in param_grads):
             return ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
         accum_step = self._accumulate(micro_batch_id, batch, param_grads)
         self.samples_processed += batch
