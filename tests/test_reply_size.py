@@ -15,7 +15,7 @@ from swarm.config import RunConfig
 from swarm.model import ModelConfig
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
-from swarm.rpc import RPCServicer, call_peer, fits_unary_reply
+from swarm.rpc import STREAM_THRESHOLD_BYTES, RPCServicer, call_peer, fits_unary_reply, goes_as_stream
 from swarm.server.runner import StageRunner
 from tests.test_wire import FakeCaller, LoopbackP2P
 
@@ -59,3 +59,12 @@ def test_the_predicted_size_follows_the_compression(compression, fits):
     elements = BATCH * MODEL.seq_len * MODEL.hidden_size
     assert fits_unary_reply(encoded_float_bytes(elements, compression, 256)) == fits
     assert fits_unary_reply(encoded_float_bytes(elements // 4, "none", 256))
+
+
+@pytest.mark.parametrize("compression, streamed", [("none", True), ("fp16", False), ("int8", False)])
+def test_a_call_streams_when_its_request_or_its_expected_reply_is_large(compression, streamed):
+    elements = 96 * 1024  # 384 KiB in float32, 192 KiB in fp16, 97 KiB in int8
+    assert goes_as_stream(100, encoded_float_bytes(elements, compression, 256)) == streamed
+    assert goes_as_stream(encoded_float_bytes(elements, compression, 256), 0) == streamed
+    assert not goes_as_stream(STREAM_THRESHOLD_BYTES, STREAM_THRESHOLD_BYTES)
+    assert goes_as_stream(STREAM_THRESHOLD_BYTES + 1, 0) and goes_as_stream(0, STREAM_THRESHOLD_BYTES + 1)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from swarm.compression import CompressionError, compress, decompress
-from swarm.rpc import KINDS, RemoteError, RPCServicer, call_peer
+from swarm.rpc import KINDS, EmptyStreamReply, RemoteError, RPCServicer, call_peer
 from swarm.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, decode_parts, encode,
                         pack_compressed, pack_tensor, payload_size_hint, unpack_compressed, unpack_tensor)
 from tests.utils.fuzzing import mutate, random_bytes, tensor_lies
@@ -516,6 +516,35 @@ def test_large_reply_to_a_unary_call_falls_back_to_a_stream():
     async def large(message, caller):
         return {"x": torch.zeros(1_200_000)}  # 4.8 MB > the unary reply limit
     assert call(LoopbackP2P(RPCServicer({"m": large})), "m", {})["x"].shape == (1_200_000,)
+
+
+class DroppedReplies:
+    """A tamper that loses the first ``count`` stream replies whole, as p2pd now and then does."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __call__(self, chunks: List[bytes]) -> List[bytes]:
+        if self.count > 0:
+            self.count -= 1
+            return []
+        return chunks
+
+
+def test_an_empty_stream_reply_is_asked_for_once_more_then_fails_the_call():
+    served = []
+
+    async def counted(message, caller):
+        served.append(message["x"])
+        return {"x": message["x"]}
+
+    p2p = LoopbackP2P(RPCServicer({"m": counted}), tamper=DroppedReplies(1))
+    assert call(p2p, "m", {"x": 7}, stream=True)["x"] == 7
+    assert served == [7, 7]  # the server answered twice; the first answer was lost
+    served.clear()
+    with pytest.raises(EmptyStreamReply):
+        call(LoopbackP2P(RPCServicer({"m": counted}), tamper=DroppedReplies(2)), "m", {"x": 8}, stream=True)
+    assert served == [8, 8]
 
 
 def test_oversized_replies_are_bad_reply_and_reading_stops_early():
