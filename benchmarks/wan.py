@@ -18,6 +18,11 @@ Measured, per cell:
   bytes_per_sample  bytes the trainer's host sent and received on its link during the run, per sample sent.
   loss              the trainer's loss over its last micro-batches (after a fixed time, not a fixed sample
                     count: compare cells of one width and one bandwidth for parity, or use --duration_s).
+                    At hidden 1024 a 30 s cell makes only a few global steps, and the first Adam steps
+                    (no warm-up) raise this model's loss before it falls: in one such fp32 cell, 5.96
+                    before the first step and 7.87 eight seconds after it. Those losses say where a cell
+                    stopped in that rise, not what its compression did; compare them over a longer
+                    --duration_s.
 
 Needs root (namespaces and qdiscs). Everything it makes carries a random tag and is removed at the end of
 each cell, also on Ctrl-C or error; nothing else is touched.
