@@ -20,6 +20,7 @@ from swarm.manifest import run_differences, run_hash, run_settings
 from swarm.rpc import RPCServicer, call_peer
 from swarm.server.handlers import COMPRESSED_METHODS
 from swarm.wire import decode, encode
+from tests.utils.memory_stream import MemoryStreams
 
 
 class FakeCaller:
@@ -43,15 +44,9 @@ class LoopbackP2P:
         self.calls.append("unary")
         return await self.servicer.rpc_unary(request, SimpleNamespace(remote_id=FakeCaller("trainer")))
 
-    async def iterate_protobuf_handler(self, peer, name, requests, response_type):
+    async def call_binary_stream_handler(self, peer, name):
         self.calls.append("stream")
-        context = SimpleNamespace(remote_id=FakeCaller("trainer"))
-        replies = [r async for r in self.servicer.rpc_stream(requests, context)]
-
-        async def responses():
-            for reply in replies:
-                yield reply
-        return responses()
+        return await MemoryStreams(self.servicer, "trainer").open()
 
 
 def activation(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -11,17 +11,18 @@ import hashlib
 import logging
 import random
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import msgpack
 import pytest
 import torch
 
 from swarm.compression import CompressionError, compress, decompress
-from swarm.rpc import KINDS, EmptyStreamReply, RemoteError, RPCServicer, call_peer
+from swarm.rpc import KINDS, REPLY_HEADER, REQUEST_HEADER, EmptyStreamReply, RemoteError, RPCServicer, call_peer
 from swarm.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, decode_parts, encode,
                         pack_compressed, pack_tensor, payload_size_hint, unpack_compressed, unpack_tensor)
 from tests.utils.fuzzing import mutate, random_bytes, tensor_lies
+from tests.utils.memory_stream import MemoryStreams
 
 
 def lie(shape: Any, dtype: Any = "float32", data: Any = b"\x00" * 4) -> Dict[str, Any]:
@@ -479,25 +480,19 @@ def test_kinds_are_documented():
 # ---- streams and call_peer, through a stand-in for P2P ----
 
 class LoopbackP2P:
-    """Hands a stub's calls straight to an in-process servicer (hivemind's StubBase calls these two methods)."""
+    """Hands calls straight to an in-process servicer: unary ones as hivemind's StubBase makes them, streams
+    through :class:`tests.utils.memory_stream.MemoryStreams`; ``tamper`` changes every reply's parts."""
 
     def __init__(self, servicer: RPCServicer, caller: str = "caller", tamper=None):
         self.servicer, self.caller, self.tamper = servicer, caller, tamper or (lambda chunks: chunks)
-        self.chunks_read = 0
+        self.streams = MemoryStreams(servicer, caller, self.tamper)
 
     async def call_protobuf_handler(self, peer, name, request, response_type):
         response = await self.servicer.rpc_unary(request, SimpleNamespace(remote_id=FakeCaller(self.caller)))
         return response_type(metadata=self.tamper([response.metadata])[0])
 
-    async def iterate_protobuf_handler(self, peer, name, requests, response_type):
-        replies = [r.metadata async for r in self.servicer.rpc_stream(requests, SimpleNamespace(
-            remote_id=FakeCaller(self.caller)))]
-
-        async def responses():
-            for chunk in self.tamper(replies):
-                self.chunks_read += 1
-                yield response_type(metadata=chunk)
-        return responses()
+    async def call_binary_stream_handler(self, peer, name):
+        return await self.streams.open()
 
 
 def call(p2p: LoopbackP2P, method: str, message: Dict[str, Any], **kwargs) -> Dict[str, Any]:
@@ -549,12 +544,12 @@ def test_an_empty_stream_reply_is_asked_for_once_more_then_fails_the_call():
 
 def test_oversized_replies_are_bad_reply_and_reading_stops_early():
     async def large(message, caller):
-        return {"x": torch.zeros(1_500_000)}  # 6 MB: 2 chunks, the first of 4 MiB
+        return {"x": torch.zeros(1_500_000)}  # 6 MB
 
     p2p = LoopbackP2P(RPCServicer({"m": large}))
     with pytest.raises(RemoteError) as error:
         call(p2p, "m", {}, stream=True, max_reply_bytes=3 * 2**20)
-    assert error.value.kind == "bad_reply" and p2p.chunks_read == 1  # stopped at the chunk that crossed the limit
+    assert error.value.kind == "bad_reply" and "of 6000" in str(error.value)  # refused from the reply's header
     with pytest.raises(RemoteError) as error:
         call(LoopbackP2P(RPCServicer({"m": _echo})), "m", {"pad": b"\0" * 5000}, max_reply_bytes=1000)
     assert error.value.kind == "bad_reply"
@@ -586,24 +581,46 @@ def test_stream_requests_are_limited_per_message_and_per_caller():
         call(p2p, "echo", {"x": torch.zeros(1_000_000)})  # 4 MB message > 3 MiB
     assert error.value.kind == "bad_request"
     truncated = encode({"x": torch.zeros(600_000)})[: 2 * 2**20 + 100]
-
-    async def send_truncated():
-        async def requests():
-            for start in range(0, len(truncated), 2**20):
-                yield SimpleNamespace(uid="echo", metadata=truncated[start:start + 2**20])
-        return decode(await servicer._serve_stream(requests(), "c"))
-    reply = run(send_truncated())
+    reply = decode(run(exchange(MemoryStreams(servicer, "c"), frame("echo", truncated))))
     assert reply["kind"] == "bad_request" and "undecodable" in reply["error"]
     assert len(servicer.budget) == 0
 
     async def over_budget():
         servicer.budget.admit("c", 2 * 2**20)  # another request of the same caller holds 2 MiB
-
-        async def requests():
-            for _ in range(3):
-                yield SimpleNamespace(uid="echo", metadata=b"\0" * 2**20)
-        reply = decode(await servicer._serve_stream(requests(), "c"))
-        servicer.budget.release("c", 2 * 2**20)
-        return reply
+        try:  # answered from the header: the 3 MiB payload is never sent
+            return decode(await exchange(MemoryStreams(servicer, "c"), frame("echo", b"", declared=3 * 2**20)))
+        finally:
+            servicer.budget.release("c", 2 * 2**20)
     assert run(over_budget())["kind"] == "busy"
     assert len(servicer.budget) == 0
+
+
+def test_a_stream_that_ends_before_its_announced_payload_gets_no_answer_and_holds_nothing():
+    servicer = RPCServicer({"echo": _echo})
+    assert run(exchange(MemoryStreams(servicer, "c"), frame("echo", b"\0" * 100, declared=1000))) is None
+    assert run(exchange(MemoryStreams(servicer, "c"), REQUEST_HEADER.pack(4, 10)[:5])) is None  # a cut header
+    assert len(servicer.budget) == 0
+
+
+def test_a_method_name_longer_than_the_limit_is_refused_from_the_header():
+    servicer = RPCServicer({"echo": _echo})
+    reply = decode(run(exchange(MemoryStreams(servicer, "c"), frame("m" * 300, b""))))
+    assert reply["kind"] == "bad_request" and "method name" in reply["error"]
+
+
+def frame(method: str, payload: bytes, declared: Optional[int] = None) -> bytes:
+    """A binary stream request as swarm.rpc frames it; ``declared`` overrides the payload length it announces."""
+    name = method.encode()
+    return REQUEST_HEADER.pack(len(name), len(payload) if declared is None else declared) + name + payload
+
+
+async def exchange(streams: MemoryStreams, data: bytes) -> Optional[bytes]:
+    """Send ``data`` on a new stream and end it; the reply's payload, or None if the server sent none."""
+    _, reader, writer = await streams.open()
+    writer.write(data)
+    writer.close()
+    try:
+        (size,) = REPLY_HEADER.unpack(await reader.readexactly(REPLY_HEADER.size))
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        return None
