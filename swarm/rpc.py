@@ -62,9 +62,9 @@ __all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "
 logger = get_logger(__name__)
 NAMESPACE = "swarm"
 # A request or an expected reply above this goes as a stream. Echoing 1 MiB between two daemons on loopback
-# takes 9.6 ms and 8 ms of p2pd CPU per call as a stream, 25 ms and 36 ms as a unary call (p2pd's unary
-# path re-frames the message through its control protocol); 16 KiB costs about the same either way, and
-# tiny calls answer sooner unary (0.9 against 1.6 ms), opening no new connection to the daemon.
+# takes 8-10 ms and 7-8 ms of p2pd CPU per call as a stream, 25 ms and 36 ms as a unary call; 16 KiB costs
+# about the same either way (1.7-1.9 ms), and tiny calls answer sooner unary (1.3 against 1.6 ms), opening
+# no new connection to the daemon.
 STREAM_THRESHOLD_BYTES = 256 * 2**10
 STREAM_ATTEMPTS = 2  # a stream reply that arrives empty or cut short is asked for once more before the call fails
 STREAM_HANDLER = "RPCServicer.rpc_binary"  # the binary stream handler's name, after the namespace
