@@ -26,14 +26,14 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.rpc import KINDS, NAMESPACE, REPLY_HEADER, REQUEST_HEADER, STREAM_HANDLER, RPCServicer
+from swarm.rpc import KINDS, NAMESPACE, RPCServicer, _call_stream
 from swarm.wire import WireError, decode, encode
 
 __all__ = ["FuzzCase", "FuzzInputs", "FuzzStats", "fuzz", "store_junk", "random_bytes", "mutate", "tensor_lies",
            "rss_mb"]
 
-CHUNK = 2 * 2**20  # the piece size an oversized stream request is written in
-MAX_REPLY_BYTES = 64 * 2**20  # a longer reply counts as none
+CHUNK = 2 * 2**20  # the piece an oversized stream case is built of
+MAX_REPLY_BYTES = 64 * 2**20  # a longer reply counts as a reset
 MAX_FAILURE_NOTES = 50
 
 
@@ -277,7 +277,8 @@ async def _send(p2p: P2P, peer: PeerID, case: FuzzCase, timeout_s: float) -> Tup
         if not case.stream:
             response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=case.method, metadata=case.chunks[0]))
             return response.metadata
-        return await _exchange_stream(p2p, peer, case)
+        # framed as every caller frames a stream request; the peer may answer from the header, before reading it all
+        return (await _call_stream(p2p, peer, case.method, b"".join(case.chunks), MAX_REPLY_BYTES))[0]
 
     try:
         raw = await asyncio.wait_for(exchange(), timeout=timeout_s)
@@ -295,33 +296,6 @@ async def _send(p2p: P2P, peer: PeerID, case: FuzzCase, timeout_s: float) -> Tup
         return "ok", None
     kind = reply.get("kind")
     return ("error", kind) if kind in KINDS and isinstance(reply["error"], str) else ("garbled", str(kind))
-
-
-async def _exchange_stream(p2p: P2P, peer: PeerID, case: FuzzCase) -> bytes:
-    """A stream case as swarm.rpc frames a request (its chunks sent one after another under one header),
-    the reply read while sending: a peer may answer from the header. Returns the reply's payload, or b""."""
-    _, reader, writer = await p2p.call_binary_stream_handler(peer, f"{NAMESPACE}::{STREAM_HANDLER}")
-
-    async def send() -> None:
-        name = case.method.encode()
-        writer.write(REQUEST_HEADER.pack(len(name), sum(len(chunk) for chunk in case.chunks)) + name)
-        for chunk in case.chunks:
-            writer.write(chunk)
-            await writer.drain()
-
-    sending = asyncio.ensure_future(send())
-    try:
-        (size,) = REPLY_HEADER.unpack(await reader.readexactly(REPLY_HEADER.size))
-        if size > MAX_REPLY_BYTES:
-            return b""
-        return await reader.readexactly(size)
-    except asyncio.IncompleteReadError:
-        return b""
-    finally:
-        if sending.done() and not sending.cancelled():
-            sending.exception()
-        sending.cancel()
-        writer.close()
 
 
 def _expected(case: FuzzCase, outcome: str) -> bool:

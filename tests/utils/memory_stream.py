@@ -65,16 +65,14 @@ class TamperingReplyWriter(MemoryWriter):
 
 
 class MemoryStreams:
-    """Opens in-memory binary streams to ``servicer`` as ``caller``; ``opened`` counts them."""
+    """Opens in-memory binary streams to ``servicer`` as ``caller``."""
 
     def __init__(self, servicer: RPCServicer, caller: str, tamper: Optional[Tamper] = None):
         self.servicer, self.caller = servicer, caller
         self.tamper: Tamper = tamper or (lambda parts: parts)
-        self.opened = 0
         self._serving: Set[asyncio.Future] = set()
 
     async def open(self) -> Tuple[SimpleNamespace, asyncio.StreamReader, MemoryWriter]:
-        self.opened += 1
         to_server, to_caller = asyncio.StreamReader(), asyncio.StreamReader()
         info = SimpleNamespace(peer_id=self.caller)
         serving = asyncio.ensure_future(self.servicer.serve_stream(info, to_server, TamperingReplyWriter(to_caller, self.tamper)))
