@@ -45,7 +45,7 @@ import struct
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Awaitable, Callable, Collection, Dict, Mapping, Optional, Tuple
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
@@ -54,7 +54,7 @@ from hivemind.utils import get_logger
 from swarm.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
 from swarm.metrics import count_rpc_bytes, method_label
 from swarm.reach import dialer_for, is_routing_failure
-from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode_parts, encode, payload_size_hint
+from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode, encode, payload_size_hint
 
 __all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE",
            "UNARY_REPLY_LIMIT_BYTES", "fits_unary_reply", "goes_as_stream", "EmptyStreamReply"]
@@ -128,10 +128,10 @@ def _codec_executor() -> ThreadPoolExecutor:
         return _codec_pool
 
 
-async def _decode(parts: Sequence[bytes], max_bytes: int) -> Dict[str, Any]:
-    if sum(len(part) for part in parts) <= OFF_LOOP_BYTES:
-        return decode_parts(parts, max_bytes)
-    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), decode_parts, parts, max_bytes)
+async def _decode(payload: bytes, max_bytes: int) -> Dict[str, Any]:
+    if len(payload) <= OFF_LOOP_BYTES:
+        return decode(payload, max_bytes)
+    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), decode, payload, max_bytes)
 
 
 async def _encode(message: Mapping[str, Any], compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
@@ -251,18 +251,18 @@ class RPCServicer(ServicerBase):
         if not self.budget.admit(caller_id, len(payload)):
             return self._busy(caller_id)
         try:
-            return await self._handle(method, [payload], caller_id)
+            return await self._handle(method, payload, caller_id)
         finally:
             self.budget.release(caller_id, len(payload))
 
-    async def _handle(self, method: str, parts: Sequence[bytes], caller: str) -> bytes:
+    async def _handle(self, method: str, payload: bytes, caller: str) -> bytes:
         """Decode, run the handler, encode: every failure becomes an error reply of the right kind."""
         handler = self.handlers.get(method)
         try:
             if handler is None:
                 raise RemoteError(f"unknown method {method[:64]!r}; this peer serves {sorted(self.handlers)}",
                                   "bad_request")
-            reply = await handler(await _decode(parts, self.max_message_bytes), caller)
+            reply = await handler(await _decode(payload, self.max_message_bytes), caller)
         except RemoteError as e:
             return _error(str(e), e.kind)
         except BAD_INPUT_ERRORS as e:
@@ -349,7 +349,7 @@ class RPCServicer(ServicerBase):
                 payload = await asyncio.wait_for(reader.readexactly(size), timeout)
             except (asyncio.IncompleteReadError, asyncio.TimeoutError):
                 return None
-            return method, size, await self._handle(method, [payload], caller)
+            return method, size, await self._handle(method, payload, caller)
         finally:
             self.budget.release(caller, size)
 
@@ -370,8 +370,8 @@ async def _linger(reader: asyncio.StreamReader) -> None:
 # ---- calling ----
 
 async def _call_stream(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, max_reply_bytes: int,
-                       namespace: str = NAMESPACE) -> List[bytes]:
-    """Send ``payload`` on a binary stream and return the reply (one part), refusing (as 'bad_reply') a reply
+                       namespace: str = NAMESPACE) -> bytes:
+    """Send ``payload`` on a binary stream and return the reply, refusing (as 'bad_reply') a reply
     announced larger than ``max_reply_bytes``. The reply is read while the request is still being sent, so a
     server that answers from the header (refused, busy, too large) is heard at once."""
     name = method.encode("utf-8")
@@ -392,7 +392,7 @@ async def _call_stream(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, m
         except asyncio.IncompleteReadError as e:
             raise EmptyStreamReply(f"the stream of {method} ended {len(e.partial)} bytes into a reply of {size}") from None
         received = REPLY_HEADER.size + size
-        return [reply]
+        return reply
     finally:
         if sending.done() and not sending.cancelled():
             sending.exception()  # retrieved: a send cut short by the server's early answer is no error
@@ -421,7 +421,7 @@ class EmptyStreamReply(ConnectionError):
 
 
 async def _call_stream_retrying(p2p: P2P, peer_id: PeerID, method: str, payload: bytes,
-                                max_reply_bytes: int) -> List[bytes]:
+                                max_reply_bytes: int) -> bytes:
     """:func:`_call_stream`, asked once more (``STREAM_ATTEMPTS`` in all) when the reply is lost. The server
     then serves the request twice: stage calls are safe to repeat (a backward already accumulated is not
     counted again)."""
@@ -433,14 +433,14 @@ async def _call_stream_retrying(p2p: P2P, peer_id: PeerID, method: str, payload:
     return await _call_stream(p2p, peer_id, method, payload, max_reply_bytes)
 
 
-async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -> List[bytes]:
+async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -> bytes:
     response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=method, metadata=payload))
     count_rpc_bytes(method_label(method), "sent", len(payload))
     count_rpc_bytes(method_label(method), "received", len(response.metadata))
     if len(response.metadata) > max_reply_bytes:
         raise RemoteError(f"unary reply to {method} of {len(response.metadata)} bytes exceeds {max_reply_bytes} bytes",
                           "bad_reply")
-    return [response.metadata]
+    return response.metadata
 
 
 async def _encode_request(message: Mapping[str, Any], compression: str, block_size: int) -> bytes:
@@ -475,9 +475,9 @@ async def call_peer(
     stub = RPCServicer.get_stub(p2p, peer_id, namespace=NAMESPACE)
     dialer = dialer_for(p2p)
 
-    async def _reply(parts: List[bytes]) -> Dict[str, Any]:
+    async def _reply(payload: bytes) -> Dict[str, Any]:
         try:
-            return await _decode(parts, max_reply_bytes)
+            return await _decode(payload, max_reply_bytes)
         except WireError as e:
             raise RemoteError(f"peer {peer_id} sent an undecodable reply to {method}: {e}", "bad_reply") from None
 

@@ -14,7 +14,7 @@ checks every field of such an entry before it decodes a byte of it.
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping
 
 import msgpack
 import torch
@@ -22,7 +22,7 @@ import torch
 from swarm.compression import (DEFAULT_BLOCK_SIZE, FLOAT_DTYPES, Compressed, CompressionError, check_block_size,
                                check_codec, compress, decompress)
 
-__all__ = ["WireError", "MAX_MESSAGE_BYTES", "MIN_COMPRESSED_ELEMENTS", "encode", "decode", "decode_parts",
+__all__ = ["WireError", "MAX_MESSAGE_BYTES", "MIN_COMPRESSED_ELEMENTS", "encode", "decode",
            "pack_tensor", "unpack_tensor", "pack_compressed", "unpack_compressed", "payload_size_hint"]
 
 MAX_MESSAGE_BYTES = 256 * 2**20  # hard cap on one message (bytes); a stage config may lower it
@@ -191,14 +191,6 @@ def decode(payload: bytes, max_bytes: int = MAX_MESSAGE_BYTES) -> Dict[str, Any]
     if not isinstance(message, dict):
         raise WireError(f"a message must be a map, got {type(message).__name__}")
     return _from_wire(message)
-
-
-def decode_parts(parts: Sequence[bytes], max_bytes: int = MAX_MESSAGE_BYTES) -> Dict[str, Any]:
-    """:func:`decode` of a message that arrived in chunks (joined here, so that callers may run it off the event loop)."""
-    size = sum(len(part) for part in parts)
-    if size > max_bytes:
-        raise WireError(f"message of {size} bytes exceeds the limit of {max_bytes} bytes")
-    return decode(parts[0] if len(parts) == 1 else b"".join(parts), max_bytes)
 
 
 def payload_size_hint(obj: Any, _depth: int = 0) -> int:

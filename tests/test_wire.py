@@ -19,7 +19,7 @@ import torch
 
 from swarm.compression import CompressionError, compress, decompress
 from swarm.rpc import KINDS, REPLY_HEADER, REQUEST_HEADER, EmptyStreamReply, RemoteError, RPCServicer, call_peer
-from swarm.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, decode_parts, encode,
+from swarm.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, encode,
                         pack_compressed, pack_tensor, payload_size_hint, unpack_compressed, unpack_tensor)
 from tests.utils.fuzzing import mutate, random_bytes, tensor_lies
 from tests.utils.memory_stream import MemoryStreams
@@ -183,7 +183,7 @@ def test_compressed_message_decodes_to_float32_of_the_right_shape(codec):
     message = {"hidden": hidden, "nested": [{"grad": hidden[0].to(torch.bfloat16)}], "small": torch.randn(3, 21)}
     payload = encode(message, codec, 64)
     assert b"__qtensor__" in payload
-    out = decode_parts([payload[:100], payload[100:]])
+    out = decode(payload)
     assert out["hidden"].shape == hidden.shape and out["hidden"].dtype == torch.float32
     assert torch.allclose(out["hidden"], hidden, atol=hidden.abs().max().item() / 100)
     assert out["nested"][0]["grad"].dtype == torch.float32 and out["nested"][0]["grad"].shape == (8, 33)

@@ -278,7 +278,7 @@ async def _send(p2p: P2P, peer: PeerID, case: FuzzCase, timeout_s: float) -> Tup
             response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=case.method, metadata=case.chunks[0]))
             return response.metadata
         # framed as every caller frames a stream request; the peer may answer from the header, before reading it all
-        return (await _call_stream(p2p, peer, case.method, b"".join(case.chunks), MAX_REPLY_BYTES))[0]
+        return await _call_stream(p2p, peer, case.method, b"".join(case.chunks), MAX_REPLY_BYTES)
 
     try:
         raw = await asyncio.wait_for(exchange(), timeout=timeout_s)
