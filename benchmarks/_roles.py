@@ -11,13 +11,15 @@ is mostly "which process holds a core": stage compute, serialization, or the p2p
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from peers.launcher import RoleProcess, stop_all
 
-__all__ = ["RoleProcess", "Swarm", "cpu_seconds_by_kind", "machine_busy_seconds"]
+__all__ = ["RoleProcess", "Swarm", "cpu_seconds_by_kind", "machine_busy_seconds", "paused"]
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -114,6 +116,30 @@ def cpu_seconds_by_kind(roles: Dict[str, int]) -> Dict[str, float]:
             key = f"{name} {kind}"
             totals[key] = totals.get(key, 0.0) + seconds
     return totals
+
+
+@contextlib.contextmanager
+def paused(roots: Sequence[int]) -> Iterator[List[int]]:
+    """Stop (SIGSTOP) every process of the trees rooted at ``roots``, this process excepted, and continue
+    them (SIGCONT) on leaving, also on error: a baseline measured meanwhile has the machine to itself,
+    as if the swarm were not there, without tearing the swarm down."""
+    table = _all_processes()
+    pids = [pid for root in roots for pid in _descendants(root, table, stop_at=[]) if pid != os.getpid()]
+    stopped = []
+    try:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            except ProcessLookupError:
+                pass
+        yield stopped
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
 
 def machine_busy_seconds() -> float:

@@ -8,18 +8,22 @@ model and data, and prints a breakdown, then one JSON line as its last line.
 What runs (every process limited to one torch thread; every address is 127.0.0.1):
   (a) single: the whole model (FullModel, the swarm's initialisation) in this process:
       forward and backward per micro-batch, gradients accumulated, an optimizer step every
-      ``target_batch_size`` samples, as the swarm does. Half its samples are measured before
-      the swarm starts and half after it stops, because the load of a shared machine drifts.
+      ``target_batch_size`` samples, as the swarm does.
   (b) swarm: a bootstrap DHT and one stage peer per stage (``--num_threads 1``) as
       subprocesses, one Trainer in this process (``torch.set_num_threads(1)``), measured
-      with max_in_flight 1 and 4 (``swarm_tokens_per_s`` and ``ratio`` are for 4, the
-      trainer's default). ``target_batch_size`` defaults to more samples than the benchmark
+      with max_in_flight 1 (one window) and 4 (``--rounds`` windows; ``swarm_tokens_per_s`` and
+      ``ratio`` are for 4, the trainer's default). ``target_batch_size`` defaults to more samples than the benchmark
       ever sends, so no global step happens in a measured window on either side: both
       figures are forward+backward throughput. ``overlap_averaging`` stays off: with one
       replica per stage there is no all-reduce to overlap. Pass ``--target_batch_size 128`` to
       measure with global steps (the single process then steps every 128 samples too).
 Each measurement is a warm-up, then a fixed number of samples; tokens/s = samples * seq_len /
 seconds from the start of the window to the completion of its last micro-batch.
+The windows alternate: one of the single process (half as many samples) before every swarm window and one
+after the last, with every process of the swarm stopped (SIGSTOP) meanwhile, so that the single process
+has the machine to itself. This machine's speed drifts by tens of percent within a minute (one process's
+CPU time per micro-batch ranged from 396 to 545 ms between runs); alternating gives both sides the same
+machine. Each swarm window's ratio against the single windows around it is printed too.
 
 The breakdown, per micro-batch of the benchmark's shape:
   compute         median CPU time of the StageRunner calls the peers run, timed in this process
@@ -52,7 +56,7 @@ The breakdown, per micro-batch of the benchmark's shape:
                   activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
                   minus the compute of that forward (StageRunner.forward on the same tensors,
                   timed in this process): the cost of one network hop carrying one activation.
-Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--num_layers 4] [--compression fp16] ...
+Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--compression fp16] [--rounds 3] ...
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from hivemind.p2p import PeerID  # noqa: E402
 
-from _roles import Swarm, cpu_seconds_by_kind, machine_busy_seconds  # noqa: E402
+from _roles import Swarm, cpu_seconds_by_kind, machine_busy_seconds, paused  # noqa: E402
 from swarm import wire  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.config import NetworkConfig, RunConfig, TrainerConfig  # noqa: E402
@@ -101,6 +105,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch_size", type=int, default=16, help="samples per micro-batch")
     parser.add_argument("--samples", type=int, default=384, help="samples per measured window")
     parser.add_argument("--in_flight", type=str, default="1,4", help="max_in_flight settings to measure")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="windows of the last max_in_flight setting, each after a window of the single process")
     parser.add_argument("--target_batch_size", type=int, default=1_000_000,
                         help="samples per global step; the default means no step while measuring")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each local timing and RPC probe")
@@ -226,12 +232,12 @@ class SingleProcess:
 
 
 def combine_single(parts: Sequence[Dict[str, float]], batch_size: int, seq_len: int) -> Dict[str, float]:
-    """One figure from the windows measured before and after the swarm (the machine's load drifts)."""
+    """One figure from the windows measured between the swarm's (the machine's speed drifts)."""
     num, wall = sum(p["micro_batches"] for p in parts), sum(p["wall_s"] for p in parts)
     return {"tokens_per_s": num * batch_size * seq_len / wall, "ms_per_micro_batch": wall * 1000 / num,
             "cpu_ms_per_micro_batch": sum(p["cpu_s"] for p in parts) * 1000 / num,
             "machine_cores_busy": sum(p["busy_s"] for p in parts) / wall,
-            "tokens_per_s_before_after": [p["micro_batches"] * batch_size * seq_len / p["wall_s"] for p in parts]}
+            "tokens_per_s_by_window": [p["micro_batches"] * batch_size * seq_len / p["wall_s"] for p in parts]}
 
 
 # ---- the swarm ----
@@ -303,7 +309,7 @@ async def measure_phase(trainer: Trainer, log: CallLog, in_flight: int, samples:
                         ) -> Dict[str, Any]:
     """Warm up, then train ``samples`` with ``in_flight`` micro-batches in flight; what it cost."""
     batch = trainer.config.batch_size
-    await train_samples(trainer, in_flight, max(2, in_flight) * batch)
+    await train_samples(trainer, in_flight, max(2, in_flight) * batch)  # fills the pipeline, off the clock
     log.reset()
     failed = trainer.metrics.micro_batches_failed
     cpu_before, start = cpu_snapshot(roles), time.perf_counter()
@@ -313,10 +319,11 @@ async def measure_phase(trainer: Trainer, log: CallLog, in_flight: int, samples:
     num_micro_batches = len(log.steps)
     cpu = {key: (cpu_after.get(key, 0.0) - value) for key, value in cpu_before.items()}
     return {
-        "in_flight": in_flight, "elapsed_s": elapsed, "tokens_per_s": samples * trainer.run.model.seq_len / elapsed,
+        "in_flight": in_flight, "elapsed_s": elapsed, "samples": samples, "micro_batches": num_micro_batches,
+        "tokens_per_s": samples * trainer.run.model.seq_len / elapsed,
         "samples_per_s": samples / elapsed, "latency_ms": statistics.mean((e - s) * 1000 for s, e in log.steps),
         "calls_ms": log.mean_call_ms(), "failed": trainer.metrics.micro_batches_failed - failed,
-        "cpu_s_per_micro_batch": {k: v / num_micro_batches for k, v in cpu.items()},
+        "cpu_s": cpu, "cpu_s_per_micro_batch": {k: v / num_micro_batches for k, v in cpu.items()},
         "cores_busy": {"ours": sum(v for k, v in cpu.items() if k != "machine") / elapsed,
                        "machine": cpu["machine"] / elapsed},
     }
@@ -353,22 +360,68 @@ async def peer_info(trainer: Trainer, peers: Dict[int, str]) -> Dict[int, Dict[s
 
 
 async def measure_swarm(run: RunConfig, args: argparse.Namespace, swarm: Swarm, peers: Dict[int, str],
-                        corpus: Corpus, messages: Dict[str, Tuple[Dict, Dict]]) -> Dict[str, Any]:
+                        corpus: Corpus, messages: Dict[str, Tuple[Dict, Dict]], single: "SingleProcess"
+                        ) -> Dict[str, Any]:
+    """Every swarm window comes right after a window of the single process (and the last is followed by
+    one), so that both see the machine in the same state: its speed drifts by tens of percent within a
+    minute. While the single process runs, every process of the swarm (the trainer's p2pd and DHT process
+    too) is stopped, so that it has the machine to itself, as before the swarm started."""
     trainer = await start_trainer(run, args.batch_size, swarm.initial_peers, corpus)
     try:
         log = CallLog(trainer.client)
         roles = {**{f"peer{stage}": swarm.processes[1 + stage].pid for stage in peers},
                  "bootstrap": swarm.processes[0].pid, "trainer": os.getpid()}
-        phases = []
-        for in_flight in (int(k) for k in args.in_flight.split(",")):
+        single_micro_batches = max(1, args.samples // args.batch_size // 2)
+        phases, singles = [], []
+        settings = [int(k) for k in args.in_flight.split(",")]
+        for index, in_flight in enumerate(settings):
             before = await peer_info(trainer, peers)
-            phases.append(await measure_phase(trainer, log, in_flight, args.samples, roles))
+            windows = []
+            for _ in range(args.rounds if index == len(settings) - 1 else 1):
+                singles.append(single_window(single, single_micro_batches, roles.values()))
+                windows.append(await measure_phase(trainer, log, in_flight, args.samples, roles))
+                windows[-1]["single_before"] = len(singles) - 1
+            phases.append(combine_windows(windows))
             phases[-1]["peer_info"] = await peer_info(trainer, peers)
             phases[-1]["cache"] = cache_counts(before[0], phases[-1]["peer_info"][0])
+        singles.append(single_window(single, single_micro_batches, roles.values()))
+        for phase in phases:  # each window against the single-process windows just before and just after it
+            phase["ratio_by_window"] = [
+                window["tokens_per_s"] / statistics.mean(singles[window["single_before"] + k]["tokens_per_s"]
+                                                         for k in (0, 1))
+                for window in phase["windows"]]
         probe = await probe_rpc(trainer, peers, messages, args.reps)
-        return {"phases": phases, "probe": probe}
+        return {"phases": phases, "probe": probe, "singles": singles}
     finally:
         trainer.shutdown()
+
+
+def single_window(single: "SingleProcess", micro_batches: int, swarm_roots: Sequence[int]) -> Dict[str, float]:
+    """A window of the single process with the swarm stopped; this blocks the trainer's event loop, which
+    has nothing to do meanwhile."""
+    with paused(list(swarm_roots)):
+        window = single.measure(micro_batches)
+    window["tokens_per_s"] = micro_batches * single.batch_size * single.run.model.seq_len / window["wall_s"]
+    return window
+
+
+def combine_windows(windows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """One phase from its measured windows: totals over all of them, means weighted by micro-batches."""
+    elapsed, samples = sum(w["elapsed_s"] for w in windows), sum(w["samples"] for w in windows)
+    micro_batches = sum(w["micro_batches"] for w in windows)
+    tokens = sum(w["tokens_per_s"] * w["elapsed_s"] for w in windows)
+    cpu = {key: sum(w["cpu_s"].get(key, 0.0) for w in windows) for key in windows[0]["cpu_s"]}
+    weighted = lambda values: sum(v * w["micro_batches"] for v, w in zip(values, windows)) / micro_batches  # noqa: E731
+    calls = {name: weighted([w["calls_ms"].get(name, float("nan")) for w in windows]) for name in windows[0]["calls_ms"]}
+    return {
+        "in_flight": windows[0]["in_flight"], "elapsed_s": elapsed, "samples": samples, "micro_batches": micro_batches,
+        "tokens_per_s": tokens / elapsed, "samples_per_s": samples / elapsed,
+        "latency_ms": weighted([w["latency_ms"] for w in windows]), "calls_ms": calls,
+        "failed": sum(w["failed"] for w in windows), "cpu_s": cpu,
+        "cpu_s_per_micro_batch": {k: v / micro_batches for k, v in cpu.items()},
+        "cores_busy": {"ours": sum(v for k, v in cpu.items() if k != "machine") / elapsed,
+                       "machine": cpu["machine"] / elapsed},
+        "windows": [{"tokens_per_s": w["tokens_per_s"], "single_before": w["single_before"]} for w in windows]}
 
 
 def cache_counts(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, int]:
@@ -430,8 +483,8 @@ def pipeline_bound(compute: Dict[str, float], hits: bool = True) -> float:
 
 
 def print_single(single: Dict[str, float]) -> None:
-    before, after = single["tokens_per_s_before_after"]
-    print(f"single process: {single['tokens_per_s']:.0f} tokens/s ({before:.0f} before the swarm, {after:.0f} after); "
+    windows = ", ".join(f"{v:.0f}" for v in single["tokens_per_s_by_window"])
+    print(f"single process: {single['tokens_per_s']:.0f} tokens/s (windows between the swarm's: {windows}); "
           f"{single['ms_per_micro_batch']:.0f} ms per micro-batch ({single['cpu_ms_per_micro_batch']:.0f} CPU ms); the "
           f"whole machine had {single['machine_cores_busy']:.2f} of {os.cpu_count()} cores busy meanwhile")
 
@@ -451,6 +504,9 @@ def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str
     print(f"swarm, max_in_flight={phase['in_flight']}: {phase['tokens_per_s']:.0f} tokens/s, ratio "
           f"{phase['tokens_per_s'] / single['tokens_per_s']:.2f}; {1000 * batch / phase['samples_per_s']:.0f} ms "
           f"per micro-batch; failed micro-batches {phase['failed']}")
+    if len(phase["windows"]) > 1:
+        print(f"  {len(phase['windows'])} windows, each against the single-process windows around it: ratio "
+              + ", ".join(f"{r:.2f}" for r in phase["ratio_by_window"]))
     calls = ", ".join(f"{name} {phase['calls_ms'].get(name, float('nan')):.0f}" for name in CALLS)
     print(f"  mean call ms: {calls}")
     print(f"  latency {phase['latency_ms']:.0f} ms = " + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()))
@@ -498,8 +554,6 @@ def main() -> int:
     single = SingleProcess(run, corpus, args.batch_size)
     for _ in range(2):  # warm-up
         single.micro_batch()
-    half = max(1, args.samples // args.batch_size // 2)
-    single_parts = [single.measure(half)]
     print_local(run, args, compute, ser, tensors.hidden.numel() * 4)
     sys.stdout.flush()
 
@@ -509,11 +563,10 @@ def main() -> int:
             swarm.bootstrap()
             ready = swarm.peers([["--stage", "0"], ["--stage", "1"]])
             peers = {event["stage"]: event["peer_id"] for event in ready}
-            result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages))
+            result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages, single))
         finally:
             swarm.close()
-    single_parts.append(single.measure(half))
-    single_result = combine_single(single_parts, args.batch_size, model.seq_len)
+    single_result = combine_single(result["singles"], args.batch_size, model.seq_len)
     return report(run, args, compute, ser, single_result, result, time.perf_counter() - started)
 
 
@@ -537,7 +590,8 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
             "failed_micro_batches": phase["failed"], "machine_cores_busy": round(phase["cores_busy"]["machine"], 2),
             "cpu_ms_per_micro_batch": round(1000 * sum(v for k, v in phase["cpu_s_per_micro_batch"].items()
                                                        if k != "machine"), 1),
-            "stage0_cache": phase["cache"]}
+            "stage0_cache": phase["cache"],
+            "ratio_by_window": [round(r, 3) for r in phase["ratio_by_window"]]}
     main_phase = by_in_flight.get("4", list(by_in_flight.values())[-1])
     print(f"wall time {wall_s:.0f} s")
     print(json.dumps({
@@ -553,7 +607,7 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         "pipeline_bound_ratio_recomputing": round(pipeline_bound(compute, hits=False), 3),
         "single_cpu_ms_per_micro_batch": round(single["cpu_ms_per_micro_batch"], 1),
         "single_machine_cores_busy": round(single["machine_cores_busy"], 2),
-        "single_tokens_per_s_before_after": [round(v, 1) for v in single["tokens_per_s_before_after"]],
+        "single_tokens_per_s_by_window": [round(v, 1) for v in single["tokens_per_s_by_window"]],
         "model": dataclasses.asdict(run.model), "batch_size": args.batch_size, "samples": args.samples,
         "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}))
     return 0
