@@ -385,11 +385,13 @@ async def measure_swarm(run: RunConfig, args: argparse.Namespace, swarm: Swarm, 
             phases[-1]["peer_info"] = await peer_info(trainer, peers)
             phases[-1]["cache"] = cache_counts(before[0], phases[-1]["peer_info"][0])
         singles.append(single_window(single, single_micro_batches, roles.values()))
-        for phase in phases:  # each window against the single-process windows just before and just after it
+        for phase in phases:  # against the single-process windows just before and just after its own
+            around = sorted({w["single_before"] + k for w in phase["windows"] for k in (0, 1)})
+            phase["single_tokens_per_s"] = pooled_tokens_per_s([singles[i] for i in around])
+            phase["ratio"] = phase["tokens_per_s"] / phase["single_tokens_per_s"]
             phase["ratio_by_window"] = [
-                window["tokens_per_s"] / statistics.mean(singles[window["single_before"] + k]["tokens_per_s"]
-                                                         for k in (0, 1))
-                for window in phase["windows"]]
+                w["tokens_per_s"] / pooled_tokens_per_s(singles[w["single_before"]:w["single_before"] + 2])
+                for w in phase["windows"]]
         probe = await probe_rpc(trainer, peers, messages, args.reps)
         return {"phases": phases, "probe": probe, "singles": singles}
     finally:
@@ -403,6 +405,11 @@ def single_window(single: "SingleProcess", micro_batches: int, swarm_roots: Sequ
         window = single.measure(micro_batches)
     window["tokens_per_s"] = micro_batches * single.batch_size * single.run.model.seq_len / window["wall_s"]
     return window
+
+
+def pooled_tokens_per_s(windows: Sequence[Dict[str, float]]) -> float:
+    """Tokens/s over several windows taken together: their tokens over their seconds."""
+    return sum(w["tokens_per_s"] * w["wall_s"] for w in windows) / sum(w["wall_s"] for w in windows)
 
 
 def combine_windows(windows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
@@ -502,7 +509,8 @@ def print_probe(probe: Dict[str, Dict[str, float]], compute: Dict[str, float], s
 
 def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str, float], batch: int) -> None:
     print(f"swarm, max_in_flight={phase['in_flight']}: {phase['tokens_per_s']:.0f} tokens/s, ratio "
-          f"{phase['tokens_per_s'] / single['tokens_per_s']:.2f}; {1000 * batch / phase['samples_per_s']:.0f} ms "
+          f"{phase['ratio']:.2f} (against the single process's {phase['single_tokens_per_s']:.0f} tokens/s in the "
+          f"windows around this phase's); {1000 * batch / phase['samples_per_s']:.0f} ms "
           f"per micro-batch; failed micro-batches {phase['failed']}")
     if len(phase["windows"]) > 1:
         print(f"  {len(phase['windows'])} windows, each against the single-process windows around it: ratio "
@@ -585,7 +593,8 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         parts = decompose(phase, args.batch_size, compute, ser, transfer)
         print_phase(phase, single, parts, args.batch_size)
         by_in_flight[str(phase["in_flight"])] = {
-            "tokens_per_s": round(phase["tokens_per_s"], 1), "ratio": round(phase["tokens_per_s"] / single["tokens_per_s"], 3),
+            "tokens_per_s": round(phase["tokens_per_s"], 1), "ratio": round(phase["ratio"], 3),
+            "single_tokens_per_s": round(phase["single_tokens_per_s"], 1),
             "latency_ms": round(phase["latency_ms"], 1), **{f"{k}_ms": round(v, 1) for k, v in parts.items()},
             "failed_micro_batches": phase["failed"], "machine_cores_busy": round(phase["cores_busy"]["machine"], 2),
             "cpu_ms_per_micro_batch": round(1000 * sum(v for k, v in phase["cpu_s_per_micro_batch"].items()
@@ -595,7 +604,8 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
     main_phase = by_in_flight.get("4", list(by_in_flight.values())[-1])
     print(f"wall time {wall_s:.0f} s")
     print(json.dumps({
-        "single_tokens_per_s": round(single["tokens_per_s"], 1), "swarm_tokens_per_s": main_phase["tokens_per_s"],
+        "single_tokens_per_s": main_phase["single_tokens_per_s"], "swarm_tokens_per_s": main_phase["tokens_per_s"],
+        "single_tokens_per_s_all_windows": round(single["tokens_per_s"], 1),
         "ratio": main_phase["ratio"], "rpc_overhead_ms": round(rpc_overhead_ms, 1),
         "swarm_by_max_in_flight": by_in_flight,
         "compute_ms": {k: round(v, 1) for k, v in compute.items()},

@@ -93,3 +93,10 @@ def test_windows_combine_into_totals_and_weighted_means():
     assert phase["cpu_s_per_micro_batch"]["peer0 python"] == pytest.approx(4.0 / 16)
     assert phase["cores_busy"]["machine"] == pytest.approx(8.0 / 8.0)
     assert [w["single_before"] for w in phase["windows"]] == [0, 1]
+
+
+def test_a_baseline_pools_its_windows_tokens_over_their_seconds():
+    pipeline = _load("pipeline")
+    fast, slow = {"tokens_per_s": 5000.0, "wall_s": 2.0}, {"tokens_per_s": 2500.0, "wall_s": 4.0}
+    assert pipeline.pooled_tokens_per_s([fast, slow]) == pytest.approx(20000 / 6.0)
+    assert pipeline.pooled_tokens_per_s([fast]) == 5000.0
