@@ -3,7 +3,6 @@ runs, and combining a phase's windows into one figure."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,18 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+from tests.utils.benchmark_modules import load_benchmark
 
 
 def _state(pid: int) -> str:
@@ -57,7 +45,7 @@ def process_tree():
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc (Linux)")
 def test_paused_stops_a_whole_tree_and_continues_it_also_on_error(process_tree):
-    roles = _load("_roles")
+    roles = load_benchmark("_roles")
     parent, child = process_tree
     with roles.paused([parent]) as stopped:
         assert sorted(stopped) == sorted([parent, child])
@@ -72,14 +60,14 @@ def test_paused_stops_a_whole_tree_and_continues_it_also_on_error(process_tree):
 
 
 def test_paused_leaves_the_calling_process_running():
-    roles = _load("_roles")
+    roles = load_benchmark("_roles")
     with roles.paused([os.getpid()]) as stopped:
         assert os.getpid() not in stopped
         assert _state(os.getpid()) != "T"
 
 
 def test_windows_combine_into_totals_and_weighted_means():
-    pipeline = _load("pipeline")
+    pipeline = load_benchmark("pipeline")
     window = lambda elapsed, samples, mbs, latency, cpu, before: {  # noqa: E731
         "in_flight": 4, "elapsed_s": elapsed, "samples": samples, "micro_batches": mbs,
         "tokens_per_s": samples * 128 / elapsed, "latency_ms": latency, "calls_ms": {"forward0": latency / 2},
@@ -96,7 +84,7 @@ def test_windows_combine_into_totals_and_weighted_means():
 
 
 def test_a_baseline_pools_its_windows_tokens_over_their_seconds():
-    pipeline = _load("pipeline")
+    pipeline = load_benchmark("pipeline")
     fast, slow = {"tokens_per_s": 5000.0, "wall_s": 2.0}, {"tokens_per_s": 2500.0, "wall_s": 4.0}
     assert pipeline.pooled_tokens_per_s([fast, slow]) == pytest.approx(20000 / 6.0)
     assert pipeline.pooled_tokens_per_s([fast]) == 5000.0

@@ -10,7 +10,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -24,6 +23,7 @@ from swarm.config import BootstrapConfig, PeerConfig, TrainerConfig
 from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
 from swarm.identity import load_or_create_identity
 from swarm.reach import announceable, listens_on_any
+from tests.utils.benchmark_modules import load_benchmark
 from tests.utils.processes import REPO
 
 DOCKER = Path(REPO) / "docker"
@@ -187,13 +187,7 @@ def test_a_compose_implementation_accepts_the_files():
 
 
 def _benchmark_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("containers_benchmark", Path(REPO) / "benchmarks" / "containers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("containers")
 
 
 def test_benchmark_reads_the_loss_and_the_steps_from_the_logs():
