@@ -4,6 +4,7 @@ runs, and combining a phase's windows into one figure."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,8 +39,11 @@ def process_tree():
     child_pid = int(parent.stdout.readline())
     yield parent.pid, child_pid
     for pid in (child_pid, parent.pid):
-        subprocess.run(["kill", "-CONT", str(pid)], check=False)
-        subprocess.run(["kill", "-KILL", str(pid)], check=False)
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     parent.wait(timeout=10)
 
 
