@@ -223,21 +223,23 @@ class SingleProcess:
             self.accumulated = 0
 
     def measure(self, num_micro_batches: int) -> Dict[str, float]:
-        """Wall and CPU seconds of ``num_micro_batches``, and how busy the whole machine was meanwhile."""
+        """Wall and CPU seconds of ``num_micro_batches``, tokens/s, and how busy the whole machine was meanwhile."""
         start, cpu_start, busy_start = time.perf_counter(), time.thread_time(), machine_busy_seconds()
         for _ in range(num_micro_batches):
             self.micro_batch()
-        return {"micro_batches": num_micro_batches, "wall_s": time.perf_counter() - start,
+        wall = time.perf_counter() - start
+        return {"micro_batches": num_micro_batches, "wall_s": wall,
+                "tokens_per_s": num_micro_batches * self.batch_size * self.run.model.seq_len / wall,
                 "cpu_s": time.thread_time() - cpu_start, "busy_s": machine_busy_seconds() - busy_start}
 
 
-def combine_single(parts: Sequence[Dict[str, float]], batch_size: int, seq_len: int) -> Dict[str, float]:
+def combine_single(parts: Sequence[Dict[str, float]]) -> Dict[str, float]:
     """One figure from the windows measured between the swarm's (the machine's speed drifts)."""
     num, wall = sum(p["micro_batches"] for p in parts), sum(p["wall_s"] for p in parts)
-    return {"tokens_per_s": num * batch_size * seq_len / wall, "ms_per_micro_batch": wall * 1000 / num,
+    return {"tokens_per_s": pooled_tokens_per_s(parts), "ms_per_micro_batch": wall * 1000 / num,
             "cpu_ms_per_micro_batch": sum(p["cpu_s"] for p in parts) * 1000 / num,
             "machine_cores_busy": sum(p["busy_s"] for p in parts) / wall,
-            "tokens_per_s_by_window": [p["micro_batches"] * batch_size * seq_len / p["wall_s"] for p in parts]}
+            "tokens_per_s_by_window": [p["tokens_per_s"] for p in parts]}
 
 
 # ---- the swarm ----
@@ -321,11 +323,8 @@ async def measure_phase(trainer: Trainer, log: CallLog, in_flight: int, samples:
     return {
         "in_flight": in_flight, "elapsed_s": elapsed, "samples": samples, "micro_batches": num_micro_batches,
         "tokens_per_s": samples * trainer.run.model.seq_len / elapsed,
-        "samples_per_s": samples / elapsed, "latency_ms": statistics.mean((e - s) * 1000 for s, e in log.steps),
-        "calls_ms": log.mean_call_ms(), "failed": trainer.metrics.micro_batches_failed - failed,
-        "cpu_s": cpu, "cpu_s_per_micro_batch": {k: v / num_micro_batches for k, v in cpu.items()},
-        "cores_busy": {"ours": sum(v for k, v in cpu.items() if k != "machine") / elapsed,
-                       "machine": cpu["machine"] / elapsed},
+        "latency_ms": statistics.mean((e - s) * 1000 for s, e in log.steps),
+        "calls_ms": log.mean_call_ms(), "failed": trainer.metrics.micro_batches_failed - failed, "cpu_s": cpu,
     }
 
 
@@ -402,9 +401,7 @@ def single_window(single: "SingleProcess", micro_batches: int, swarm_roots: Sequ
     """A window of the single process with the swarm stopped; this blocks the trainer's event loop, which
     has nothing to do meanwhile."""
     with paused(list(swarm_roots)):
-        window = single.measure(micro_batches)
-    window["tokens_per_s"] = micro_batches * single.batch_size * single.run.model.seq_len / window["wall_s"]
-    return window
+        return single.measure(micro_batches)
 
 
 def pooled_tokens_per_s(windows: Sequence[Dict[str, float]]) -> float:
@@ -574,7 +571,7 @@ def main() -> int:
             result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages, single))
         finally:
             swarm.close()
-    single_result = combine_single(result["singles"], args.batch_size, model.seq_len)
+    single_result = combine_single(result["singles"])
     return report(run, args, compute, ser, single_result, result, time.perf_counter() - started)
 
 
