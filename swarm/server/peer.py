@@ -160,7 +160,7 @@ class StagePeer:
 
     def shared_state(self):
         """The stage's state as this replica holds it (what its checkpoints store): (metadata, tensors)."""
-        return self.runner.state_metadata(), self.runner.state_tensors()
+        return self.runner.state()
 
     def served_state(self):
         """The state this replica serves to replicas that download it: its own, unless it emulates a

@@ -585,6 +585,13 @@ class StageRunner:
     def state_metadata(self) -> Dict[str, int]:
         return {"stage": self.stage_index, "step": self.step, "samples_applied": self.samples_applied}
 
+    def state(self) -> Tuple[Dict[str, int], List[torch.Tensor]]:
+        """(metadata, tensors) taken under one hold of the lock: a step applied between reading the step and
+        copying the tensors would pair step *s* with the parameters of *s + 1*, which a downloader that checks
+        the announced digest takes for a lie."""
+        with self.lock:
+            return self.state_metadata(), self.state_tensors()
+
     def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor], dropped_from: Optional[int] = None
                    ) -> None:
         """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients.
