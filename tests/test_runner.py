@@ -66,3 +66,26 @@ def test_a_step_applied_while_the_state_is_read_waits_for_the_read():
     digest_by_step[runner.step] = runner.digest
     assert runner.step == metadata["step"] + 1, "the step was applied after the read"
     assert parameter_digest(tensors[:len(runner.params)]) == digest_by_step[metadata["step"]]
+
+
+def test_the_step_and_digest_readers_take_are_never_torn_by_a_step_or_a_loaded_state():
+    """While a step is applied or a state loaded, `version` names the old (step, digest) or the new one,
+    never the new step beside the old parameters' digest (what reading `step` and `digest` one after the
+    other could give, as the digest is computed after the step moves)."""
+    runner = StageRunner(RUN, 0)
+    existed = {runner.version}
+    seen = []
+    sample = lambda *args, **kwargs: seen.append((runner.step, runner.version))  # noqa: E731
+    invalidate, digest = runner.forward_cache.invalidate, runner._digest
+    runner.forward_cache.invalidate = lambda: (sample(), invalidate())[1]  # the step has moved by now
+    runner._digest = lambda: (sample(), digest())[1]  # the parameters have changed by now
+    for _ in range(2):
+        runner.freeze()
+        runner.apply([torch.full_like(p, 0.5) for p in runner.params], RUN.target_batch_size)
+        existed.add((runner.step, parameter_digest(runner.params)))
+    source = StageRunner(RUN, 0)
+    runner.load_state(source.state_metadata(), source.state_tensors())
+    existed.add((runner.step, parameter_digest(runner.params)))
+    assert runner.version == (runner.step, runner.digest) == (0, parameter_digest(source.params))
+    assert any(step != pair[0] for step, pair in seen), "no sample fell where the step had moved"
+    assert all(pair in existed for _, pair in seen), f"torn pairs: {[p for _, p in seen if p not in existed]}"

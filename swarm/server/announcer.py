@@ -34,15 +34,16 @@ class Announcer:
     def record(self) -> PeerRecord:
         peer, runner, steps = self.peer, self.peer.runner, self.peer.steps
         base, bits = steps.contributed if steps is not None else (0, 0)
+        step, digest = runner.version if runner else (0, "")
         return PeerRecord(
             version=PROTOCOL_VERSION, peer_id=peer.peer_id, stage=peer.stage, state=peer.state,
             throughput=runner.meter.samples_per_s if runner else 0.0, queue_length=peer.queued,
-            step=runner.step if runner else 0, accum_step=runner.accum_step if runner else 0,
+            step=step, accum_step=runner.accum_step if runner else 0,
             samples_pending=runner.samples_pending if runner else 0,
             samples_frozen=runner.frozen.samples if runner is not None and runner.frozen is not None else 0,
             samples_admitted=steps.admitted if steps is not None else 0,
             samples_applied=runner.samples_applied if runner else 0,
-            digest=runner.digest if runner else "", samples_processed=runner.samples_processed if runner else 0,
+            digest=digest, samples_processed=runner.samples_processed if runner else 0,
             contributed_base=base, contributed_bits=bits,
             tentative_bits=steps.tentative_bits() if steps is not None else 0,
             resets=runner.resets if runner else 0, reset_from=runner.reset_from if runner else 0, run_hash=peer.run_hash,

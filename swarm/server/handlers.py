@@ -62,7 +62,7 @@ def _batch_size(request: Dict[str, Any]) -> int:
 
 
 def _params_version(runner: "StageRunner") -> Tuple[int, str]:
-    return runner.step, runner.digest
+    return runner.version
 
 
 def _stamp(reply: Dict[str, Any], key: str, runner: "StageRunner", before: Tuple[int, str]) -> None:

@@ -156,6 +156,9 @@ class StageRunner:
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.frozen: Optional[FrozenStep] = None
         self.digest = self._digest()
+        # (step, digest) as one value: other threads read the pair from it, never torn between a step applied
+        # and its parameters hashed (step and digest change one after the other on the compute thread)
+        self.version: Tuple[int, str] = (self.step, self.digest)
         self.params_version = 0  # bumped whenever the parameters change: a cached graph must match it
         # the last stage's training forward is its backward call: nothing to cache there
         self.forward_cache = ForwardCache(0 if self.module.is_last else forward_cache_bytes)
@@ -540,19 +543,22 @@ class StageRunner:
                     p.grad = g.to(device=p.device, dtype=p.dtype).clone()
                 optimizer_step(self.params, self.optimizer, self.run.optimizer,
                                lr_scale=batch_share(total_samples, self.run.target_batch_size))
+            digest = self._digest()  # before the step moves: no reader sees the new step beside the old digest
             self.step = self.frozen.step + 1
             self.samples_applied += total_samples
             self.frozen = None
-            self._parameters_changed()
+            self._parameters_changed(digest)
 
     def _digest(self) -> str:
         return parameter_digest(self.params)
 
-    def _parameters_changed(self) -> None:
-        """After a step or a loaded state: new digest, and no graph built on the old parameters survives."""
+    def _parameters_changed(self, digest: str) -> None:
+        """After a step or a loaded state (``digest``: of the new parameters, hashed before the step number
+        moved): no graph built on the old parameters survives, and :attr:`version` names the new pair."""
         self.params_version += 1
         self.forward_cache.invalidate()
-        self.digest = self._digest()
+        self.digest = digest
+        self.version = (self.step, digest)
 
     def drop_cached_forwards(self) -> None:
         """Free every cached graph (the replica leaves its stage)."""
@@ -616,6 +622,7 @@ class StageRunner:
                 state["exp_avg"].copy_(tensors[num + 2 * i])
                 state["exp_avg_sq"].copy_(tensors[num + 2 * i + 1])
                 state["step"].fill_(float(tensors[-1][0]))
+            digest = self._digest()
             new_step = int(metadata["step"])
             lowest = [self.accum_step, new_step] + ([self.frozen.step] if self.frozen is not None else [])
             self.resets, self.reset_from = self.resets + 1, min(lowest + ([dropped_from] if dropped_from is not None else []))
@@ -626,4 +633,4 @@ class StageRunner:
             self.step = self.accum_step = new_step
             self.samples_applied = int(metadata["samples_applied"])
             self.frozen = None
-            self._parameters_changed()
+            self._parameters_changed(digest)

@@ -70,13 +70,14 @@ class StepCoordinator:
 
     def view(self) -> StageView:
         peer, runner = self.peer, self.peer.runner
+        step, digest = runner.version
         return StageView(
             peer_id=peer.peer_id, is_clock=peer.stage == peer.run.num_stages - 1,
-            target_batch_size=peer.run.target_batch_size, step=runner.step, accum_step=runner.accum_step,
-            samples_pending=runner.samples_pending, samples_admitted=self.admitted, digest=runner.digest,
+            target_batch_size=peer.run.target_batch_size, step=step, accum_step=runner.accum_step,
+            samples_pending=runner.samples_pending, samples_admitted=self.admitted, digest=digest,
             averaging=runner.frozen is not None, others=self._others, clock_steps=self._clock_steps,
             overlap_averaging=peer.config.overlap_averaging, voters=self._voters,
-            history=tuple(self.history) + ((runner.step, runner.digest),), samples_per_s=self.samples_per_s)
+            history=tuple(self.history) + ((step, digest),), samples_per_s=self.samples_per_s)
 
     def _measure_rate(self, view: StageView) -> None:
         """Update :attr:`samples_per_s` from the growth of the stage's pending samples (this replica's and the
@@ -318,7 +319,7 @@ class StepCoordinator:
         samples (:attr:`PeerRecord.tentative_bits`) until :meth:`_confirm` or :meth:`adopted` settles it."""
         peer = self.peer
         step = peer.runner.frozen.step
-        self.history.append((peer.runner.step, peer.runner.digest))
+        self.history.append(peer.runner.version)
         await peer.compute(peer.runner.apply, mean_grads, total_samples)
         self._failed_rounds = 0
         self.remember(step, members)
