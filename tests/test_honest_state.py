@@ -155,6 +155,8 @@ class FakeCheckpoints:
 @dataclass
 class FakeConfig:
     state_download_timeout_s: float = 5.0
+    announce_period_s: float = 1.0
+    poll_period_s: float = 0.05
     reinitialize: bool = False
     checkpoint_dir: Optional[str] = None
 
@@ -247,6 +249,66 @@ async def test_a_lone_poisoner_past_step_0_stops_the_joiner_with_a_clear_error()
     peer = FakePeer(records, served)
     with pytest.raises(RuntimeError, match="no live replica and no checkpoint"):
         await Joining(peer).join_stage()
+
+
+# ---- a state newer than the record its source announced ----
+
+
+class LaggingRecords(FakePeer):
+    """Its first ``stale_reads`` reads return ``before``, every later one ``after``: records catching up."""
+
+    def __init__(self, before: Dict[str, PeerRecord], after: Dict[str, PeerRecord], served, stale_reads: int = 1):
+        super().__init__(before, served)
+        self.after, self.reads, self.stale_reads = after, 0, stale_reads
+
+    async def fetch_records(self) -> Dict[str, PeerRecord]:
+        self.reads += 1
+        return self.records if self.reads <= self.stale_reads else self.after
+
+
+def stepped(runner: StageRunner, scale: float = 1.0) -> StageRunner:
+    runner.freeze()
+    runner.apply([torch.full_like(p, scale) for p in runner.params], total_samples=8)
+    return runner
+
+
+async def test_a_state_one_step_ahead_of_its_record_is_adopted_once_the_records_name_it():
+    before, after = StageRunner(RUN, 0), stepped(StageRunner(RUN, 0))
+    peer = LaggingRecords({"honest": record("honest", before)}, {"honest": record("honest", after)},
+                          {"honest": (after.state_metadata(), after.state_tensors())})
+    assert await Joining(peer).download_state()
+    assert peer.averager.asked == ["honest"], "the state was downloaded again"
+    assert peer.runner.version == after.version and not peer.steps.distrusted
+
+
+async def test_a_state_the_majority_stepped_differently_from_is_left_and_its_sender_not_distrusted(caplog):
+    start = StageRunner(RUN, 0)
+    minority, majority = stepped(StageRunner(RUN, 0), 1.0), stepped(StageRunner(RUN, 0), -1.0)
+    before = {name: record(name, start) for name in ("minority", "p1", "p2")}
+    after = {"minority": record("minority", minority), "p1": record("p1", majority), "p2": record("p2", majority)}
+    served = {"minority": (minority.state_metadata(), minority.state_tensors()),
+              **{name: (majority.state_metadata(), majority.state_tensors()) for name in ("p1", "p2")}}
+    peer = LaggingRecords(before, after, served)
+    with caplog.at_level(logging.INFO):
+        assert await Joining(peer, rng=MinorityFirst()).download_state()
+    assert peer.averager.asked[0] == "minority" and len(peer.averager.asked) == 2
+    assert peer.runner.version == majority.version and not peer.steps.distrusted
+    assert "the stage's replicas announce another state at its step 1" in caplog.text
+
+
+async def test_a_state_the_stage_has_moved_past_is_not_adopted():
+    start, one = StageRunner(RUN, 0), stepped(StageRunner(RUN, 0))
+    two = stepped(stepped(StageRunner(RUN, 0)))
+    peer = LaggingRecords({"honest": record("honest", start)}, {"honest": record("honest", two)},
+                          {"honest": (one.state_metadata(), one.state_tensors())})
+    peer.config.state_download_timeout_s = 1.0
+    assert not await Joining(peer).download_state()
+    assert peer.runner.step == 0 and not peer.steps.distrusted
+
+
+class MinorityFirst:
+    def shuffle(self, peer_ids: List[str]) -> None:
+        peer_ids.sort(key=lambda peer_id: peer_id != "minority")
 
 
 # ---- checkpoints never hold a non-finite value ----

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Joining"]
 
 logger = get_logger(__name__)
+CATCH_UP_PERIODS = 2  # announce periods a state newer than its source's record waits for the records to name it
 
 
 class Joining:
@@ -182,7 +183,10 @@ class Joining:
                 return False
             source, metadata, tensors = downloaded
             remaining = remaining[remaining.index(source) + 1:]
-            verdict = await peer.compute(self._judge, sources, metadata, tensors)
+            facts = await peer.compute(self._inspect, metadata, tensors)
+            verdict = check_downloaded_state(sources, *facts)
+            if verdict.moved_on:
+                verdict = await self._judge_once_announced(facts, verdict, deadline)
             if verdict.accept:
                 try:
                     await self._adopt(metadata, tensors, source=source, source_id=source)
@@ -208,13 +212,38 @@ class Joining:
             logger.warning(f"state download failed: {type(e).__name__}: {e}")
             return None
 
-    def _judge(self, sources: StateSources, metadata: Any, tensors: Sequence[Any]) -> StateVerdict:
-        """The verdict on a downloaded state (runs on the compute thread: it hashes the parameters)."""
+    def _inspect(self, metadata: Any, tensors: Sequence[Any]) -> Tuple[bool, bool, Optional[int], str]:
+        """What :func:`check_downloaded_state` judges a downloaded state by: (complete, every value finite, the
+        step its metadata names, the digest of its parameters). Runs on the compute thread: it hashes."""
         params = self.peer.runner.params
         complete = _fits(params, tensors)
         all_finite = complete and not non_finite_indices(tensors)
         digest = parameter_digest(tensors[:len(params)]) if complete else ""
-        return check_downloaded_state(sources, complete, all_finite, _state_step(metadata, self.peer.stage), digest)
+        return complete, all_finite, _state_step(metadata, self.peer.stage), digest
+
+    async def _judge_once_announced(self, facts: Tuple[bool, bool, Optional[int], str], verdict: StateVerdict,
+                                    deadline: float) -> StateVerdict:
+        """Judge a state that passed the step its source announced against the records once they announce its
+        step, instead of downloading it again: records lag a replica by up to an announce period, and on a slow
+        link a state takes far longer to download than that. Waits at most ``CATCH_UP_PERIODS`` announce
+        periods; returns ``verdict`` if the majority moved past the state's step or never announced it. A state
+        the majority announces another digest for at its step is left, not held against its sender (an honest
+        replica may have averaged that step with a minority of the stage)."""
+        config, step = self.peer.config, facts[2]
+        until = min(deadline, time.monotonic() + CATCH_UP_PERIODS * config.announce_period_s)
+        while time.monotonic() < until:
+            await asyncio.sleep(config.poll_period_s)
+            sources = self._sources(await self.peer.fetch_records())
+            if not sources.peer_ids or sources.step < step:
+                continue
+            if sources.step > step:
+                return verdict
+            again = check_downloaded_state(sources, *facts)
+            if again.accept:
+                return again
+            return StateVerdict(False, reason=f"the stage's replicas announce another state at its step {step} "
+                                              f"({again.reason})", moved_on=True)
+        return verdict
 
     def _max_state_bytes(self) -> int:
         """Twice the bytes of the stage's state, plus room for framing: a replica sending more is refused."""
