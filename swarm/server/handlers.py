@@ -61,15 +61,11 @@ def _batch_size(request: Dict[str, Any]) -> int:
     return int(inputs.shape[0])
 
 
-def _params_version(runner: "StageRunner") -> Tuple[int, str]:
-    return runner.version
-
-
 def _stamp(reply: Dict[str, Any], key: str, runner: "StageRunner", before: Tuple[int, str]) -> None:
     """Add the step and digest of the parameters that computed ``reply``, when they are certain: steps are
     applied (and states loaded) on the compute thread that ran the work, so parameters unchanged from
     before the work was queued to after it finished are the ones it used. Otherwise say nothing."""
-    if _params_version(runner) == before:
+    if runner.version == before:
         reply[key], reply["digest"] = before
 
 
@@ -110,7 +106,7 @@ class StageHandlers:
         micro_batch_id = request.get("micro_batch_id")
         if micro_batch_id is not None:
             check_micro_batch_id(micro_batch_id, caller)
-        before = _params_version(runner)
+        before = runner.version
         peer.in_flight += 1
         try:
             if micro_batch_id is not None and runner.forward_cache.enabled and not runner.module.is_last:
@@ -138,7 +134,7 @@ class StageHandlers:
         steps, runner = peer.steps, peer.runner
         peer.in_flight += 1
         await steps.wait_for_room(samples)
-        before, resets = _params_version(runner), runner.resets
+        before, resets = runner.version, runner.resets
         args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
         try:
             if peer.backward_batcher is not None:
@@ -162,7 +158,7 @@ class StageHandlers:
         """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""
         peer, runner = self.peer, self.peer.runner
         peer.in_flight += 1
-        before, resets = _params_version(runner), runner.resets
+        before, resets = runner.version, runner.resets
         try:
             grad_inputs, loss, step = await peer.compute(
                 runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False)

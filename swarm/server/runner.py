@@ -155,10 +155,9 @@ class StageRunner:
         self.pending_ids: Set[str] = set()
         self.grad_sum = [torch.zeros_like(p) for p in self.params]
         self.frozen: Optional[FrozenStep] = None
-        self.digest = self._digest()
-        # (step, digest) as one value: other threads read the pair from it, never torn between a step applied
-        # and its parameters hashed (step and digest change one after the other on the compute thread)
-        self.version: Tuple[int, str] = (self.step, self.digest)
+        # (step, digest of the parameters) as one value: other threads read the pair from it, never torn between a
+        # step applied and its parameters hashed (the two change one after the other on the compute thread)
+        self.version: Tuple[int, str] = (self.step, self._digest())
         self.params_version = 0  # bumped whenever the parameters change: a cached graph must match it
         # the last stage's training forward is its backward call: nothing to cache there
         self.forward_cache = ForwardCache(0 if self.module.is_last else forward_cache_bytes)
@@ -549,6 +548,11 @@ class StageRunner:
             self.frozen = None
             self._parameters_changed(digest)
 
+    @property
+    def digest(self) -> str:
+        """The digest of the parameters at :attr:`version`'s step."""
+        return self.version[1]
+
     def _digest(self) -> str:
         return parameter_digest(self.params)
 
@@ -557,7 +561,6 @@ class StageRunner:
         moved): no graph built on the old parameters survives, and :attr:`version` names the new pair."""
         self.params_version += 1
         self.forward_cache.invalidate()
-        self.digest = digest
         self.version = (self.step, digest)
 
     def drop_cached_forwards(self) -> None:
