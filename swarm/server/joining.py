@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -33,6 +33,15 @@ __all__ = ["Joining"]
 
 logger = get_logger(__name__)
 CATCH_UP_PERIODS = 2  # announce periods a state newer than its source's record waits for the records to name it
+
+
+class StateFacts(NamedTuple):
+    """What :func:`check_downloaded_state` judges a downloaded state by, in the order it takes them."""
+
+    complete: bool  # the count and shapes of the stage's state
+    all_finite: bool
+    step: Optional[int]  # the step its metadata names; None if the metadata is malformed
+    digest: str  # of its parameters; empty if incomplete
 
 
 class Joining:
@@ -212,24 +221,22 @@ class Joining:
             logger.warning(f"state download failed: {type(e).__name__}: {e}")
             return None
 
-    def _inspect(self, metadata: Any, tensors: Sequence[Any]) -> Tuple[bool, bool, Optional[int], str]:
-        """What :func:`check_downloaded_state` judges a downloaded state by: (complete, every value finite, the
-        step its metadata names, the digest of its parameters). Runs on the compute thread: it hashes."""
+    def _inspect(self, metadata: Any, tensors: Sequence[Any]) -> StateFacts:
+        """The facts of a downloaded state. Runs on the compute thread: it hashes the parameters."""
         params = self.peer.runner.params
         complete = _fits(params, tensors)
         all_finite = complete and not non_finite_indices(tensors)
         digest = parameter_digest(tensors[:len(params)]) if complete else ""
-        return complete, all_finite, _state_step(metadata, self.peer.stage), digest
+        return StateFacts(complete, all_finite, _state_step(metadata, self.peer.stage), digest)
 
-    async def _judge_once_announced(self, facts: Tuple[bool, bool, Optional[int], str], verdict: StateVerdict,
-                                    deadline: float) -> StateVerdict:
+    async def _judge_once_announced(self, facts: StateFacts, verdict: StateVerdict, deadline: float) -> StateVerdict:
         """Judge a state that passed the step its source announced against the records once they announce its
         step, instead of downloading it again: records lag a replica by up to an announce period, and on a slow
         link a state takes far longer to download than that. Waits at most ``CATCH_UP_PERIODS`` announce
         periods; returns ``verdict`` if the majority moved past the state's step or never announced it. A state
         the majority announces another digest for at its step is left, not held against its sender (an honest
         replica may have averaged that step with a minority of the stage)."""
-        config, step = self.peer.config, facts[2]
+        config, step = self.peer.config, facts.step
         until = min(deadline, time.monotonic() + CATCH_UP_PERIODS * config.announce_period_s)
         while time.monotonic() < until:
             await asyncio.sleep(config.poll_period_s)
