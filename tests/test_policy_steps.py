@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
-    must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, rounds_before_stepping_alone, trusted_others, confirmed_below, majority_group, min_group_size, stage_mates,
+    must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, rounds_before_stepping_alone, trusted_others, confirmed_below, majority_group, min_group_size, full_group_size, stage_mates,
     round_is_over, unborne_step_claims, NEAR_TARGET_S, near_threshold, seconds_between_reads,
 )
 
@@ -146,6 +146,17 @@ def test_a_replica_the_stage_went_past_does_not_step_alone():
     # a claim of a step far ahead that no state backs (no digest, so no resync follows) does not stall it
     liar = view(others=(claim(peer_id="A", step=10**6, accum_step=10**6, digest=""),))
     assert not needs_resync(liar) and step_alone(2, 2, liar)
+
+
+def test_a_full_group_is_the_replica_and_every_mate_whose_state_counts():
+    four = view(others=(claim(peer_id="A"), claim(peer_id="C"), claim(peer_id="D")))
+    assert full_group_size(four) == 4
+    # a mate whose announced state does not count (distrusted) is not waited for; one whose claims alone are
+    # ignored still holds the stage's parameters and is
+    assert full_group_size(replace(four, voters=four.others[:2])) == 3
+    assert full_group_size(replace(four, others=four.others[:1], voters=four.others)) == 4
+    assert [full_group_size(view(others=tuple(claim(peer_id=str(i)) for i in range(n)))) >= min_group_size(
+        view(others=tuple(claim(peer_id=str(i)) for i in range(n)))) for n in range(1, 9)] == [True] * 8
 
 
 def test_a_step_averaged_by_a_minority_of_the_stage_is_tentative_until_the_majority_holds_it():

@@ -4,6 +4,7 @@ and the honest members end with identical, finite results; without the defence t
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import List, Optional
 
 import pytest
@@ -22,7 +23,8 @@ SAMPLES = 16
 class Group:
     """Four DHT nodes with an averager each; ``close()`` shuts every process down."""
 
-    def __init__(self, faults: List[str], robust: bool, prefix: str, compression: str = "none"):
+    def __init__(self, faults: List[str], robust: bool, prefix: str, compression: str = "none",
+                 matchmaking_time: float = 2.0):
         self.dhts, self.averagers = [], []
         try:
             for fault in faults:
@@ -31,7 +33,7 @@ class Group:
                 self.dhts.append(dht)
                 self.averagers.append(StageAverager(
                     SHAPES, lambda: ({}, []), dht=dht, start=True, prefix=prefix, min_group_size=2,
-                    min_matchmaking_time=2.0, request_timeout=1.0, allreduce_timeout=30.0, next_chunk_timeout=6.0,
+                    min_matchmaking_time=matchmaking_time, request_timeout=1.0, allreduce_timeout=30.0, next_chunk_timeout=6.0,
                     initial_group_bits="0" * 16, fault=fault, aggregation=AggregationConfig() if robust else None,
                     signing_key=dht.identity.private_key, compression=compression))
         except BaseException:
@@ -41,11 +43,12 @@ class Group:
     def _initial_peers(self) -> List[str]:
         return [str(a) for a in self.dhts[0].get_visible_maddrs()] if self.dhts else []
 
-    async def round(self, grads: List[List[torch.Tensor]], samples: Optional[List[int]] = None
-                    ) -> List[Optional[RoundResult]]:
+    async def round(self, grads: List[List[torch.Tensor]], samples: Optional[List[int]] = None, *,
+                    full: Optional[int] = None, matchmaking_timeout: float = 8.0) -> List[Optional[RoundResult]]:
         samples = samples or [SAMPLES] * len(grads)
         return list(await asyncio.gather(*(
-            averager.average(0, g, n, {"step": 0, "samples": n}, matchmaking_timeout=8.0, timeout=30.0)
+            averager.average(0, g, n, {"step": 0, "samples": n}, matchmaking_timeout=matchmaking_timeout, timeout=30.0,
+                             full_group_size=full)
             for averager, g, n in zip(self.averagers, grads, samples))))
 
     def close(self) -> None:
@@ -71,8 +74,9 @@ def flat(tensors) -> torch.Tensor:
 def group_factory():
     groups: List[Group] = []
 
-    def make(faults: List[str], robust: bool = True, compression: str = "none") -> Group:
-        groups.append(Group(faults, robust, prefix=f"robust{len(groups)}", compression=compression))
+    def make(faults: List[str], robust: bool = True, compression: str = "none", matchmaking_time: float = 2.0) -> Group:
+        groups.append(Group(faults, robust, prefix=f"robust{len(groups)}", compression=compression,
+                            matchmaking_time=matchmaking_time))
         return groups[-1]
 
     try:
@@ -96,6 +100,27 @@ def test_a_weight_liar_that_computed_nothing_attacks_with_its_last_gradient():
     assert norm == pytest.approx(1000.0 * float(torch.sqrt(sum(g.pow(2).sum() for g in gradient))), rel=1e-5)
     assert all(not a.any() for a in GradientFault("none").corrupt(nothing))  # an honest replica sends its zeros
     assert all(not a.any() for a in GradientFault("sign_flip_gradients").corrupt(nothing))  # nothing to repeat yet
+
+
+async def test_a_full_group_averages_at_once_instead_of_waiting_out_the_matchmaking_time(group_factory):
+    """Every replica expected is in the group: nothing is gained by waiting for more, so the round starts
+    at once. Without ``full_group_size`` the leader holds the group open for the whole matchmaking time
+    (12 s here)."""
+    group = group_factory(["none", "none", "none"], matchmaking_time=12.0)
+    grads = [honest_grads(i) for i in range(3)]
+    started = time.monotonic()
+    results = await group.round(grads, full=3, matchmaking_timeout=30.0)
+    elapsed = time.monotonic() - started
+    assert all(r is not None and len(r.included) == 3 for r in results)
+    assert all(torch.equal(flat(results[0].tensors), flat(r.tensors)) for r in results[1:])
+    assert elapsed < 6.0, f"the full group waited {elapsed:.1f}s, as if for more members"
+
+
+def test_a_full_group_is_no_smaller_than_the_smallest_allowed():
+    averager = StageAverager.__new__(StageAverager)  # the argument check runs before anything is sent
+    with pytest.raises(ValueError, match="below min_group_size"):
+        asyncio.run(averager.average(0, [], 1, {}, matchmaking_timeout=1.0, timeout=1.0, min_group_size=3,
+                                     full_group_size=2))
 
 
 async def test_a_nan_replica_is_dropped_and_banned_and_the_others_agree(group_factory):

@@ -31,7 +31,8 @@ from typing import Collection, Mapping, Optional, Sequence, Set, Tuple
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size", "majority_group",
+    "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size", "full_group_size",
+    "majority_group",
     "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over", "near_threshold",
     "seconds_between_reads", "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S", "NEAR_TARGET_S",
 ]
@@ -278,6 +279,14 @@ def min_group_size(view: StageView) -> int:
     off into two groups of two); a replica that finds no such group steps alone after failed rounds,
     tentatively (:func:`majority_group`)."""
     return (len(stage_mates(view)) + 1) // 2 + 1
+
+
+def full_group_size(view: StageView) -> int:
+    """The group that needs no more waiting: this replica and every one of its :func:`stage_mates`. A group
+    that reaches it averages at once instead of waiting out the matchmaking time for replicas that do not
+    exist; a replica this view does not know of (it joined since) finds the round assembled without it,
+    as it would after the matchmaking time, and catches up by downloading the stage's state."""
+    return len(stage_mates(view)) + 1
 
 
 def majority_group(members: int, view: StageView) -> bool:

@@ -236,17 +236,21 @@ class StageAverager(DecentralizedAverager):
 
     async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
                       matchmaking_timeout: float, timeout: float, min_group_size: int = 2,
-                      give_up: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[RoundResult]:
+                      full_group_size: Optional[int] = None, give_up: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[RoundResult]:
         """One averaging round for ``step``: the combined gradients and who contributed, or None on failure.
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
         quickly that a replica died and go on without it. A group smaller than ``min_group_size`` is
         disbanded instead of averaged. ``give_up``: once the awaitable it makes completes, a search for a
         group that has not found one yet is called off (a group already averaging is waited for: its members
-        need our part)."""
+        need our part). A group that reaches ``full_group_size`` members (everyone expected) averages at once,
+        without waiting out the matchmaking time; None waits it out whatever the group's size."""
         if min_group_size < 2:
             raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
-        self._outer_pipe.send(("_set_min_group_size", [], dict(size=int(min_group_size))))
+        if full_group_size is not None and full_group_size < min_group_size:
+            raise ValueError(f"full_group_size ({full_group_size}) is below min_group_size ({min_group_size})")
+        self._outer_pipe.send(("_set_group_sizes", [], dict(
+            minimum=int(min_group_size), full=None if full_group_size is None else int(full_group_size))))
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
         mean_grads = self._fault.corrupt(list(mean_grads))  # an emulated attacker lies here; honest peers send theirs
         with self.get_tensors() as tensors:
@@ -361,8 +365,10 @@ class StageAverager(DecentralizedAverager):
         except (asyncio.TimeoutError, Exception) as e:
             logger.debug(f"declaring this replica's state for download failed: {type(e).__name__}: {e}")
 
-    async def _set_min_group_size(self, size: int) -> None:
-        self._matchmaking.min_group_size = size  # read by matchmaking when its time for a round is up
+    async def _set_group_sizes(self, minimum: int, full: Optional[int]) -> None:
+        # read by matchmaking: the minimum when its time for a round is up, the full size whenever a follower joins
+        self._matchmaking.min_group_size = minimum
+        self._matchmaking.target_group_size = full
 
     async def _step(self, **kwargs: Any) -> None:
         self._follow_only_allowed_leaders()

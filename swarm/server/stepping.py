@@ -19,7 +19,7 @@ from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
     DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
-    min_group_size, must_wait, near_target, needs_resync, others_pending, overclaimers, round_is_over,
+    full_group_size, min_group_size, must_wait, near_target, needs_resync, others_pending, overclaimers, round_is_over,
     rounds_before_stepping_alone, seconds_between_reads, stage_mates, step_alone, step_is_due, trusted_others,
     unborne_step_claims,
 )
@@ -228,7 +228,7 @@ class StepCoordinator:
         result = await peer.averager.average(
             frozen.step, frozen.mean_grads, frozen.samples, gather,
             matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
-            min_group_size=min_group_size(view), give_up=watch)
+            min_group_size=min_group_size(view), full_group_size=full_group_size(view), give_up=watch)
         if result is None and over.is_set():
             logger.info(f"stage {peer.stage}: most of the stage applied step {frozen.step} without this replica; "
                         f"catching up")
