@@ -14,15 +14,16 @@ from swarm.simulate.stepping import allreduce_time_s
 
 THROUGHPUT = 2.0  # samples/s of every peer
 TARGET = 400
+PARAM_MIB = 500.0  # 0.84 s per all-reduce on the 10 Gbit/s links
 
 
-def _steady(**steps) -> SimConfig:
-    """2 stages x 2 replicas, constant throughput, links far faster than compute, no churn."""
-    return SimConfig(num_peers=4, num_stages=2, hours=1.0, seed=0, throughput_list=(THROUGHPUT,),
+def _steady(num_peers: int = 4, **steps) -> SimConfig:
+    """2 stages x 2 replicas (by default), constant throughput, links far faster than compute, no churn."""
+    return SimConfig(num_peers=num_peers, num_stages=2, hours=1.0, seed=0, throughput_list=(THROUGHPUT,),
                      throughput_jitter=0.0, bandwidth_mbps_median=10_000.0, bandwidth_sigma=0.0,
                      join_rate_per_h=0.0, mean_lifetime_h=1e6, crash_fraction=0.0, num_trainers=4,
                      rebalance=RebalanceConfig(period_s=300.0, min_gain=0.01, max_movers_per_period=1),
-                     steps=StepSimConfig(target_batch_size=TARGET, stage_param_mib=0.0, **steps))
+                     steps=StepSimConfig(target_batch_size=TARGET, stage_param_mib=PARAM_MIB, **steps))
 
 
 def _run(config: SimConfig) -> _Run:
@@ -37,7 +38,8 @@ def test_steps_per_hour_follow_throughput_over_target():
     report = _run(config).result.steps
     summary = report.summary()
     stage_rate = 2 * THROUGHPUT  # the clock stage's two replicas
-    averaging_s = allreduce_time_s(0.0, [10_000.0], config.steps.matchmaking_time_s)
+    # every replica averages every step, so each group is whole at once and waits out no matchmaking time
+    averaging_s = allreduce_time_s(PARAM_MIB, [10_000.0], 0.0)
     # replicas serve once their download ends; a step takes the batch's time plus one all-reduce, during which
     # the replicas wait
     expected = (config.duration_s - config.join_time_s) / (TARGET / stage_rate + averaging_s)
@@ -74,6 +76,20 @@ def test_a_frozen_replica_is_stepped_around_alone():
     assert summary["samples_per_step_p5"] < TARGET
     assert run.steps.stages[-1].replicas[frozen].step < max(r.step for r in run.steps.stages[-1].replicas.values()) \
         or summary["resyncs"] >= 1
+
+
+def test_a_group_short_of_a_known_replica_waits_out_the_matchmaking_time():
+    """3 replicas per stage, one of the clock's frozen: the other two are a majority and average without it,
+    but only after the matchmaking time, since the view holds a third replica that might still come."""
+    config = _steady(num_peers=6)
+    clock = _run(config).steps.stages[-1]
+    assert len(clock.replicas) == 3
+    run = _run(_steady(num_peers=6, stalled_peers=(sorted(clock.replicas)[0],)))
+    summary = run.result.steps.summary()
+    assert summary["global_steps"] > 0
+    per_round = allreduce_time_s(PARAM_MIB, [10_000.0], run.config.steps.matchmaking_time_s)
+    # the clock's two healthy replicas wait out every one of its rounds in full, matchmaking included
+    assert summary["wait_replica_s_by_cause"]["averaging"] >= 2 * per_round * summary["global_steps"] * 0.9
 
 
 def test_experiment_reports_steps_and_config_is_validated():

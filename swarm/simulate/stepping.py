@@ -27,8 +27,10 @@ Model (documented simplifications):
   ``needs_resync`` is evaluated on its own view by every replica that does not hold the state the
   majority announces (for those that hold it the policy's answer is no).
 * An all-reduce among the replicas that froze the step takes ``matchmaking_time_s`` plus twice the
-  stage's gradients over the slowest member's bandwidth (a butterfly all-reduce); a round with
-  nobody to average with fails after ``3 * matchmaking_time_s`` (the live matchmaking timeout).
+  stage's gradients over the slowest member's bandwidth (a butterfly all-reduce); a group that holds
+  every replica the closing view knows of (:func:`full_group_size`) starts at once and pays the transfer
+  only, as the live averager does; a round with nobody to average with fails after
+  ``3 * matchmaking_time_s`` (the live matchmaking timeout).
 * Stages are not coupled beyond the clock: a stage that waits does not slow the flow of the
   others (the engine's throughput figures are untouched by the step protocol).
 """
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, absent_claimants, distrust_seconds, majority_state, must_wait, near_target, near_threshold,
+    ReplicaClaim, StageView, absent_claimants, distrust_seconds, full_group_size, majority_state, must_wait, near_target, near_threshold,
     needs_resync, others_pending, others_reserved, overclaimers, rounds_before_stepping_alone, step_alone, step_is_due,
     trusted_others,
 )
@@ -403,9 +405,10 @@ class StepSim:
             stage.round.members = [view.peer_id]
             self._apply(stage, [view.peer_id])
         elif len(members) >= 2:
+            matchmaking_s = 0.0 if len(members) >= full_group_size(view) else self.config.matchmaking_time_s
             self._start_round(stage, "averaging", allreduce_time_s(
                 self.config.stage_param_mib, [stage.replicas[p].bandwidth_mbps for p in members],
-                self.config.matchmaking_time_s), "averaged")
+                matchmaking_s), "averaged")
         else:
             self._start_round(stage, "failed_rounds", 3.0 * self.config.matchmaking_time_s, "round_failed")
 
