@@ -133,10 +133,13 @@ class StageHandlers:
         micro_batch_id = check_micro_batch_id(request.get("micro_batch_id"), caller)
         steps, runner = peer.steps, peer.runner
         peer.in_flight += 1
-        await steps.wait_for_room(samples)
-        before, resets = runner.version, runner.resets
-        args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
+        admitted = False
         try:
+            # a caller that gives up (its call cancelled) while this waits for room leaves nothing in flight
+            await steps.wait_for_room(samples)
+            admitted = True
+            before, resets = runner.version, runner.resets
+            args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
             if peer.backward_batcher is not None:
                 peer.queued += 1
                 try:
@@ -147,7 +150,8 @@ class StageHandlers:
                 grad_inputs, loss, step = await peer.compute(runner.backward, *args)
         finally:
             peer.in_flight -= 1
-            steps.release(samples)
+            if admitted:
+                steps.release(samples)
         peer.notify_progress()
         # the adoptions counted before the work was queued: if one came meanwhile, the work may have landed
         # before it (and been dropped) or after; the older count makes the trainer re-send it in doubt

@@ -1,0 +1,65 @@
+"""StageHandlers against a fake peer: what a backward leaves behind when its caller gives up."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import List
+
+import torch
+
+from swarm.server.handlers import StageHandlers
+
+CALLER = "QmCaller"
+
+
+class BlockedSteps:
+    """A stage whose step is full: every backward waits for room until the test lets it in."""
+
+    def __init__(self):
+        self.room = asyncio.Event()
+        self.admitted, self.released = 0, []  # type: int, List[int]
+
+    async def wait_for_room(self, samples: int) -> None:
+        await self.room.wait()
+        self.admitted += samples
+
+    def release(self, samples: int) -> None:
+        self.released.append(samples)
+        self.admitted -= samples
+
+
+def fake_peer(steps: BlockedSteps) -> SimpleNamespace:
+    runner = SimpleNamespace(version=(0, "d0"), resets=0, backward=lambda *args: (torch.zeros(2, 3), None, 0))
+
+    async def compute(fn, *args):
+        return fn(*args)
+
+    return SimpleNamespace(state="online", stage=0, config=SimpleNamespace(max_batch_samples=64, fault="none"),
+                           steps=steps, runner=runner, in_flight=0, queued=0, backward_batcher=None,
+                           compute=compute, notify_progress=lambda: None)
+
+
+def request(n: int) -> dict:
+    return {"stage": 0, "micro_batch_id": f"{CALLER}:{n}", "inputs": torch.zeros(2, 3),
+            "grad_outputs": torch.zeros(2, 3)}
+
+
+async def test_a_backward_cancelled_while_it_waits_for_room_leaves_nothing_in_flight():
+    """A leaving peer waits until nothing is in flight: a cancelled wait that stayed counted made every
+    leave after a trainer's departure wait out the whole leave timeout."""
+    steps = BlockedSteps()
+    peer = fake_peer(steps)
+    handlers = StageHandlers(peer)
+    waiting = asyncio.create_task(handlers.backward(request(1), CALLER))
+    await asyncio.sleep(0.05)
+    assert peer.in_flight == 1, "the waiting backward is in flight"
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert peer.in_flight == 0
+    assert steps.admitted == 0 and steps.released == [], "nothing was admitted, so nothing is released"
+    # a backward let in does its work and releases what it was admitted for
+    steps.room.set()
+    reply = await handlers.backward(request(2), CALLER)
+    assert reply["grad_inputs"].shape == (2, 3)
+    assert peer.in_flight == 0 and steps.admitted == 0 and steps.released == [2]
