@@ -15,8 +15,7 @@ TARGET = 64
 
 
 async def test_replicas_identical_and_stages_in_step(launcher, probe):
-    for stage in (0, 0, 1, 1):
-        launcher.peer(stage, target_batch_size=TARGET)
+    launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, wait=False) for stage in (0, 0, 1, 1)])
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
     trainers = [launcher.trainer(target_batch_size=TARGET, extra=["--max_samples", "96", "--trainer_seed", str(i),
                                                                    "--batch_size", "8"]) for i in (1, 2)]

@@ -17,7 +17,8 @@ TARGET = 64
 
 async def test_sigterm_peer_leaves_within_bound_and_nothing_is_lost(launcher, probe):
     peers = {(stage, i): launcher.peer(stage, target_batch_size=TARGET, extra=["--leave_timeout_s", "5"],
-                                       name=f"s{stage}r{i}") for stage in (0, 1) for i in (0, 1)}
+                                       name=f"s{stage}r{i}", wait=False) for stage in (0, 1) for i in (0, 1)}
+    launcher.wait_ready(list(peers.values()))
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
     trainer = launcher.trainer(target_batch_size=TARGET, extra=["--max_samples", "640", "--max_in_flight", "4"])
     trainer.wait_event("trainer_ready", timeout=60)
@@ -107,13 +108,12 @@ async def test_imbalanced_swarm_rebalances_and_throughput_rises(launcher, probe)
     model: list = []
     slow = ["--delay_per_sample_s", "0.04", "--rebalance", "true", "--period_s", str(period_s),
             "--period_jitter", "0.1", "--min_gain", "0.05", "--max_movers_per_period", "1"]
-    launcher.peer(1, target_batch_size=100_000, extra=slow)
-    for _ in range(3):
-        launcher.peer(0, target_batch_size=100_000, extra=slow)
+    launcher.wait_ready([launcher.peer(stage, target_batch_size=100_000, extra=slow, wait=False) for stage in (1, 0, 0, 0)])
     await probe.wait_for(lambda r: len(online(r, 0)) == 3 and len(online(r, 1)) == 1, 30, "a 3+1 swarm")
-    for seed in (1, 2):  # enough trainers that the peers, not the trainers, limit throughput
-        launcher.trainer(target_batch_size=100_000,
-                         extra=[*model, "--duration_s", "300", "--max_in_flight", "16", "--trainer_seed", str(seed)])
+    # enough trainers that the peers, not the trainers, limit throughput
+    trainers = [launcher.trainer(target_batch_size=100_000, extra=[*model, "--duration_s", "300", "--max_in_flight",
+                                                                   "16", "--trainer_seed", str(seed)])
+                for seed in (1, 2)]
     await probe.wait_for(lambda r: sum(x.samples_processed for x in online(r, 1)) > 0, 60, "training to start")
     before, replicas = await stage_rate(probe, 1, 6.0)
     assert replicas == 1, "the swarm rebalanced before the baseline was measured"
@@ -129,3 +129,5 @@ async def test_imbalanced_swarm_rebalances_and_throughput_rises(launcher, probe)
     assert replicas == 2 and after > 1.25 * before
     records = await probe.records()
     assert sorted(len(online(records, s)) for s in (0, 1)) == [2, 2], "the swarm must not flap back"
+    for trainer in trainers:  # a stopping trainer would wait for seconds of queued work on these slow peers
+        trainer.kill_group()

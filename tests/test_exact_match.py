@@ -14,8 +14,8 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
 
 @pytest.mark.parametrize("cached", [True, False], ids=["cache_hit", "recomputed"])
 async def test_remote_pipeline_matches_local_model(launcher, probe, cached):
-    for stage in (0, 1):
-        launcher.peer(stage, target_batch_size=10_000)  # no global step during the test
+    # no global step during the test
+    launcher.wait_ready([launcher.peer(stage, target_batch_size=10_000, wait=False) for stage in (0, 1)])
     records = await probe.wait_for(lambda r: all(online(r, s) for s in (0, 1)), 30, "both stages online")
     first, last = online(records, 0)[0].peer_id, online(records, 1)[0].peer_id
 

@@ -22,8 +22,9 @@ def accounted(records, stage: int) -> int:
 @pytest.mark.parametrize("victim_stage, cache_mb", [(1, "0"), (0, "512")], ids=["recomputed", "cache_hits"])
 async def test_sigkill_replica_mid_training(launcher, probe, victim_stage, cache_mb):
     peers = {(stage, i): launcher.peer(stage, target_batch_size=TARGET, name=f"s{stage}r{i}",
-                                       extra=["--forward_cache_mb", cache_mb])
+                                       extra=["--forward_cache_mb", cache_mb], wait=False)
              for stage in (0, 1) for i in (0, 1)}
+    launcher.wait_ready(list(peers.values()))
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
     trainer = launcher.trainer(target_batch_size=TARGET, extra=["--max_samples", "640", "--batch_size", "8",
                                                                 "--max_in_flight", "4"])

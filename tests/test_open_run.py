@@ -91,10 +91,11 @@ async def test_bad_replies_ban_the_peer_that_sent_them_and_the_trainer_lives_on(
     outputs. The trainer bans each of them, blames stage 0's output on stage 0, and trains on."""
     faulty = {"s0_wrong_shape": (0, "wrong_shape_outputs"), "s1_non_numeric": (1, "non_numeric_loss"),
               "s1_nan_loss": (1, "nan_loss")}
-    launcher.peer(0, target_batch_size=TARGET, name="s0_good")
-    launcher.peer(1, target_batch_size=TARGET, name="s1_good")
-    bad_ids = {name: launcher.peer(stage, target_batch_size=TARGET, extra=["--fault", fault], name=name)
-               .wait_event("peer_ready", timeout=10)["peer_id"] for name, (stage, fault) in faulty.items()}
+    good = [launcher.peer(stage, target_batch_size=TARGET, name=f"s{stage}_good", wait=False) for stage in (0, 1)]
+    bad = {name: launcher.peer(stage, target_batch_size=TARGET, extra=["--fault", fault], name=name, wait=False)
+           for name, (stage, fault) in faulty.items()}
+    launcher.wait_ready([*good, *bad.values()])
+    bad_ids = {name: peer.wait_event("peer_ready", timeout=1)["peer_id"] for name, peer in bad.items()}
     await probe.wait_for(lambda r: len(online(r, 0)) == 2 and len(online(r, 1)) == 3, 30, "five peers online")
     trainer = launcher.trainer(target_batch_size=TARGET, extra=["--max_samples", "160", "--batch_size", "8"])
     done = trainer.wait_event("trainer_done", timeout=180)

@@ -207,11 +207,12 @@ async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_
 
     model_config = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
     target, samples, lr = 64, 640, 0.003
-    honest = [launcher.peer(0, target_batch_size=target, extra=["--lr", str(lr)], name=f"s0_{i}") for i in range(3)]
+    honest = [launcher.peer(0, target_batch_size=target, extra=["--lr", str(lr)], name=f"s0_{i}", wait=False)
+              for i in range(3)]
     attacker = launcher.peer(0, target_batch_size=target, extra=["--lr", str(lr), "--fault", "sign_flip_gradients"],
-                             name="s0_attacker")
-    attacker_id = attacker.wait_event("peer_ready", timeout=30)["peer_id"]
-    launcher.peer(1, target_batch_size=target, extra=["--lr", str(lr)], name="s1")
+                             name="s0_attacker", wait=False)
+    clock = launcher.peer(1, target_batch_size=target, extra=["--lr", str(lr)], name="s1", wait=False)
+    attacker_id = launcher.wait_ready([*honest, attacker, clock])[3]["peer_id"]
     await probe.wait_for(lambda r: len(online(r, 0)) == 4 and len(online(r, 1)) == 1, 40, "4 + 1 replicas online")
     trainer = launcher.trainer(target_batch_size=target, extra=["--lr", str(lr), "--max_samples", str(samples),
                                                                 "--max_in_flight", "2"])

@@ -6,9 +6,8 @@ from tests.utils.probe import online
 
 
 async def test_faster_replica_gets_more_work(launcher, probe):
-    launcher.peer(0)
-    launcher.peer(1, name="fast")
-    launcher.peer(1, extra=["--delay_per_sample_s", "0.01"], name="slow")
+    launcher.wait_ready([launcher.peer(0, wait=False), launcher.peer(1, name="fast", wait=False),
+                         launcher.peer(1, extra=["--delay_per_sample_s", "0.01"], name="slow", wait=False)])
     records = await probe.wait_for(lambda r: online(r, 0) and len(online(r, 1)) == 2, 30, "three peers online")
     trainer = launcher.trainer(extra=["--max_samples", "800", "--batch_size", "8", "--max_in_flight", "4"])
     assert trainer.wait_event("trainer_done", timeout=180)["samples_sent"] == 800

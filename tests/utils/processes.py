@@ -49,6 +49,13 @@ class Launcher:
             process.wait_event("peer_ready", timeout=90)
         return process
 
+    @staticmethod
+    def wait_ready(peers: Sequence[RoleProcess], timeout: float = 90.0) -> List[dict]:
+        """The 'peer_ready' events of ``peers``, started with ``wait=False`` so that they start side by side
+        (each spends seconds importing torch and starting its DHT): within ``timeout`` seconds in all."""
+        deadline = time.monotonic() + timeout
+        return [peer.wait_event("peer_ready", timeout=max(0.1, deadline - time.monotonic())) for peer in peers]
+
     def trainer(self, num_stages: int = 2, target_batch_size: int = 64, extra: Sequence[str] = (),
                 name: Optional[str] = None) -> RoleProcess:
         args = [*self.run_args(num_stages, target_batch_size), "--max_data_mb", "2", "--refresh_period_s", "0.5",
