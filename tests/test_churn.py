@@ -108,7 +108,8 @@ async def test_imbalanced_swarm_rebalances_and_throughput_rises(launcher, probe)
     model: list = []
     slow = ["--delay_per_sample_s", "0.04", "--rebalance", "true", "--period_s", str(period_s),
             "--period_jitter", "0.1", "--min_gain", "0.05", "--max_movers_per_period", "1"]
-    launcher.wait_ready([launcher.peer(stage, target_batch_size=100_000, extra=slow, wait=False) for stage in (1, 0, 0, 0)])
+    launcher.wait_ready([launcher.peer(stage, target_batch_size=100_000, extra=slow, wait=False)
+                         for stage in (1, 0, 0, 0)])
     await probe.wait_for(lambda r: len(online(r, 0)) == 3 and len(online(r, 1)) == 1, 30, "a 3+1 swarm")
     # enough trainers that the peers, not the trainers, limit throughput
     trainers = [launcher.trainer(target_batch_size=100_000, extra=[*model, "--duration_s", "300", "--max_in_flight",

@@ -27,7 +27,8 @@ async def train_and_compare(launcher, probe, extra: Sequence[str] = ()) -> Tuple
     """Train the swarm (every role given ``extra``), then the baseline on as many samples in as many
     steps, uncompressed in one process; returns (swarm loss, baseline loss) on the same validation batches."""
     args = ["--lr", str(LR), *extra]
-    launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, extra=args, wait=False) for stage in (0, 0, 1, 1)])
+    launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, extra=args, wait=False)
+                         for stage in (0, 0, 1, 1)])
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
     trainers = [launcher.trainer(target_batch_size=TARGET, extra=[*args, "--max_samples", str(PER_TRAINER),
                                                                    "--trainer_seed", str(i), "--max_in_flight", "2"])

@@ -33,7 +33,8 @@ class Group:
                 self.dhts.append(dht)
                 self.averagers.append(StageAverager(
                     SHAPES, lambda: ({}, []), dht=dht, start=True, prefix=prefix, min_group_size=2,
-                    min_matchmaking_time=matchmaking_time, request_timeout=1.0, allreduce_timeout=30.0, next_chunk_timeout=6.0,
+                    min_matchmaking_time=matchmaking_time, request_timeout=1.0, allreduce_timeout=30.0,
+                    next_chunk_timeout=6.0,
                     initial_group_bits="0" * 16, fault=fault, aggregation=AggregationConfig() if robust else None,
                     signing_key=dht.identity.private_key, compression=compression))
         except BaseException:

@@ -46,8 +46,8 @@ def request(n: int) -> dict:
 
 
 async def test_a_backward_cancelled_while_it_waits_for_room_leaves_nothing_in_flight():
-    """A leaving peer waits until nothing is in flight: a cancelled wait that stayed counted made every
-    leave after a trainer's departure wait out the whole leave timeout."""
+    """A leaving peer waits until nothing is in flight: a cancelled wait still counted would hold every leave
+    that follows a trainer's departure for the whole leave timeout."""
     steps = BlockedSteps()
     peer = fake_peer(steps)
     handlers = StageHandlers(peer)

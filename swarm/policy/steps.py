@@ -31,8 +31,8 @@ from typing import Collection, Mapping, Optional, Sequence, Set, Tuple
 __all__ = [
     "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
     "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size", "full_group_size",
-    "majority_group",
+    "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size",
+    "full_group_size", "majority_group",
     "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over", "near_threshold",
     "seconds_between_reads", "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S", "NEAR_TARGET_S",
 ]

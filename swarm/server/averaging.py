@@ -236,7 +236,8 @@ class StageAverager(DecentralizedAverager):
 
     async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
                       matchmaking_timeout: float, timeout: float, min_group_size: int = 2,
-                      full_group_size: Optional[int] = None, give_up: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[RoundResult]:
+                      full_group_size: Optional[int] = None,
+                      give_up: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[RoundResult]:
         """One averaging round for ``step``: the combined gradients and who contributed, or None on failure.
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
