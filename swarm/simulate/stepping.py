@@ -46,8 +46,8 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
     ReplicaClaim, StageView, absent_claimants, distrust_seconds, full_group_size, majority_state, must_wait, near_target,
-    near_threshold, needs_resync, others_pending, others_reserved, overclaimers, rounds_before_stepping_alone, step_alone, step_is_due,
-    trusted_others,
+    near_threshold, needs_resync, others_pending, others_reserved, overclaimers, rounds_before_stepping_alone,
+    step_alone, step_is_due, trusted_others,
 )
 from swarm.simulate.config import StepSimConfig
 
