@@ -220,12 +220,15 @@ def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = 
     if role != "peer":
         return "\n".join(lines + [f"  this {role} will push micro-batches through the pipeline on device {device}"])
     auto = stage == "auto"
-    footprint = expected_footprint(run.model, run.num_stages, stage, forward_cache_mb)
+    footprint = expected_footprint(run.model, run.num_stages, stage, forward_cache_mb, device)
     up_to = "up to " if auto else ""
     cache = f" + up to {_megabytes(footprint.cache_bytes)} of cached forwards" if footprint.cache_bytes else ""
     lines.append(f"  this peer will serve {'the stage that needs capacity most (auto)' if auto else f'stage {stage}'} "
                  f"on device {device}: {up_to}{_human(footprint.parameters)} parameters")
+    state = "parameters and gradients" if footprint.host_bytes else "parameters, gradients and optimizer state"
+    host = f"{up_to or 'about '}{_megabytes(footprint.host_bytes)} of host memory for the optimizer's state and " \
+        if footprint.host_bytes else "about "
     lines.append(f"  memory: {up_to or 'about '}{_megabytes(footprint.device_bytes)} on {device} "
-                 f"({_megabytes(footprint.state_bytes)} of parameters, gradients and optimizer state{cache}), "
-                 f"plus about {_megabytes(PROCESS_BASE_BYTES)} for the process itself")
+                 f"({_megabytes(footprint.state_bytes)} of {state}{cache}), "
+                 f"plus {host}{_megabytes(PROCESS_BASE_BYTES)} for the process itself")
     return "\n".join(lines)

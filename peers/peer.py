@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config import PeerConfig
 from swarm.config_loading import ConfigError
+from swarm.devices import check_available, parse_device
 from swarm.metrics import MetricsPortError, PeerSnapshot, peer_snapshot
 
 logger = logging.getLogger("swarm.peer")
@@ -56,6 +57,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if manifest is not None:
         print(describe_join("peer", config.run, manifest, config.device, config.stage, config.forward_cache_mb),
               flush=True)
+    try:  # before anything starts: a device this machine lacks is one line, not a traceback after joining
+        check_available(parse_device(config.device))
+    except ValueError as e:
+        fail(str(e))
+        return 2
     setup_logging()
     try:
         return asyncio.run(serve(config))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 from swarm.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from swarm.devices import parse_device
 from swarm.model import ModelConfig
 from swarm.optimizer import OptimizerConfig
 from swarm.policy.aggregation import AggregationConfig
@@ -137,6 +138,7 @@ class PeerConfig:
 
         if self.fault not in FAULTS:
             raise ValueError(f"fault must be one of {list(FAULTS)}, got {self.fault!r}")
+        parse_device(self.device)
         if isinstance(self.stage, str) and self.stage != "auto":
             if not self.stage.isdigit():
                 raise ValueError(f"stage must be an integer or 'auto', got {self.stage!r}")

@@ -13,24 +13,28 @@ from typing import List, Union
 from swarm.model import Block, ModelConfig, layer_ranges
 
 __all__ = ["StageFootprint", "stage_parameter_counts", "stage_footprint", "expected_footprint",
-           "BYTES_PER_PARAMETER", "PROCESS_BASE_BYTES"]
+           "COMPUTE_BYTES_PER_PARAMETER", "OPTIMIZER_BYTES_PER_PARAMETER", "PROCESS_BASE_BYTES"]
 
-# float32 copies of every parameter a replica keeps: the weights, their .grad, the gradient sum of the
-# step being accumulated, the frozen mean gradient of the step being averaged, Adam's two moments, and
-# the averager's own copy of the gradients it all-reduces
-BYTES_PER_PARAMETER = 7 * 4
+# where the stage computes, float32 copies of every parameter: the weights, the gradient sum of the step
+# being accumulated, the frozen mean gradient of the step being averaged, and one backward's gradients
+COMPUTE_BYTES_PER_PARAMETER = 4 * 4
+# in host memory on any device: the optimizer's .grad and Adam's two moments (float32), and the averager's
+# float64 copy of the gradients it all-reduces; off the CPU also the optimizer's float32 copy of the weights
+OPTIMIZER_BYTES_PER_PARAMETER = 3 * 4 + 8
 PROCESS_BASE_BYTES = 300 * 2**20  # torch, hivemind and p2pd before any stage is built (measured RSS of a CPU peer)
 
 
 @dataclass(frozen=True)
 class StageFootprint:
-    """What serving ``stage`` costs on its device: parameters, bytes of state and of cached forwards.
+    """What serving ``stage`` costs: parameters, bytes of state and of cached forwards on its device, and the
+    optimizer's state in host memory when the device is not the CPU (on the CPU, ``state_bytes`` holds it).
     The process itself needs about :data:`PROCESS_BASE_BYTES` of host memory besides."""
 
     stage: Union[int, str]  # a stage index, or 'auto' for the most any stage may need
     parameters: int
-    state_bytes: int  # parameters, gradients and optimizer state
+    state_bytes: int  # parameters and gradients on the device (and the optimizer's state, on the CPU)
     cache_bytes: int  # the forward cache's budget (0 at the last stage, which caches nothing)
+    host_bytes: int = 0  # the optimizer's state in host memory, off the CPU
 
     @property
     def device_bytes(self) -> int:
@@ -54,18 +58,24 @@ def stage_parameter_counts(model: ModelConfig, num_stages: int) -> List[int]:
     return counts
 
 
-def stage_footprint(model: ModelConfig, num_stages: int, stage: int, forward_cache_mb: float) -> StageFootprint:
+def stage_footprint(model: ModelConfig, num_stages: int, stage: int, forward_cache_mb: float,
+                    device: str = "cpu") -> StageFootprint:
+    """The footprint of ``stage`` on ``device`` (a torch device name): the optimizer steps a host copy of the
+    weights off the CPU (:class:`swarm.server.runner.StageRunner`), and the weights themselves on it."""
     parameters = stage_parameter_counts(model, num_stages)[stage]
     cache = 0 if stage == num_stages - 1 else int(forward_cache_mb * 2**20)
-    return StageFootprint(stage, parameters, parameters * BYTES_PER_PARAMETER, cache)
+    compute, optimizer = parameters * COMPUTE_BYTES_PER_PARAMETER, parameters * OPTIMIZER_BYTES_PER_PARAMETER
+    if device.split(":")[0] == "cpu":
+        return StageFootprint(stage, parameters, compute + optimizer, cache)
+    return StageFootprint(stage, parameters, compute, cache, host_bytes=optimizer + 4 * parameters)
 
 
 def expected_footprint(model: ModelConfig, num_stages: int, stage: Union[int, str],
-                       forward_cache_mb: float) -> StageFootprint:
+                       forward_cache_mb: float, device: str = "cpu") -> StageFootprint:
     """The footprint of ``stage``, or with 'auto' the most that any stage needs, figure by figure (a peer
     may be given any stage, and may later move to another)."""
     if stage != "auto":
-        return stage_footprint(model, num_stages, int(stage), forward_cache_mb)
-    stages = [stage_footprint(model, num_stages, s, forward_cache_mb) for s in range(num_stages)]
+        return stage_footprint(model, num_stages, int(stage), forward_cache_mb, device)
+    stages = [stage_footprint(model, num_stages, s, forward_cache_mb, device) for s in range(num_stages)]
     return StageFootprint("auto", max(f.parameters for f in stages), max(f.state_bytes for f in stages),
-                          max(f.cache_bytes for f in stages))
+                          max(f.cache_bytes for f in stages), max(f.host_bytes for f in stages))

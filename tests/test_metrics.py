@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from peers._common import parameter_count
 from peers.peer import progress_line
 from swarm.config import PeerConfig, TrainerConfig
-from swarm.footprint import BYTES_PER_PARAMETER, expected_footprint, stage_parameter_counts
+from swarm.footprint import (COMPUTE_BYTES_PER_PARAMETER, OPTIMIZER_BYTES_PER_PARAMETER, expected_footprint,
+                             stage_parameter_counts)
 from swarm.metrics import (
     MetricsPortError, PeerSnapshot, TrainerSnapshot, count_ban, count_dht, count_rpc_bytes, method_label, new_registry,
     observe_allreduce, peer_families, start_metrics_server, trainer_families,
@@ -166,7 +167,12 @@ def test_stage_parameter_counts_match_the_stages():
 def test_footprint_of_a_stage_and_of_auto():
     last = expected_footprint(TINY, 2, 1, forward_cache_mb=64)
     assert last.cache_bytes == 0, "the last stage caches no forwards"
-    assert last.state_bytes == stage_parameter_counts(TINY, 2)[1] * BYTES_PER_PARAMETER
+    parameters = stage_parameter_counts(TINY, 2)[1]
+    assert last.state_bytes == parameters * (COMPUTE_BYTES_PER_PARAMETER + OPTIMIZER_BYTES_PER_PARAMETER)
+    assert last.host_bytes == 0, "on the CPU the optimizer's state is in state_bytes"
+    on_gpu = expected_footprint(TINY, 2, 1, forward_cache_mb=64, device="cuda:0")
+    assert on_gpu.state_bytes == parameters * COMPUTE_BYTES_PER_PARAMETER, "the optimizer's state stays in host memory"
+    assert on_gpu.host_bytes == parameters * (OPTIMIZER_BYTES_PER_PARAMETER + 4), "with a host copy of the weights"
     first = expected_footprint(TINY, 2, 0, forward_cache_mb=64)
     assert first.cache_bytes == 64 * 2**20 and first.device_bytes == first.state_bytes + first.cache_bytes
     auto = expected_footprint(TINY, 2, "auto", forward_cache_mb=64)

@@ -181,6 +181,17 @@ class ReportedRoundFailures(logging.Filter):
             target.addFilter(cls())
 
 
+def averaged_buffers(templates: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The averager's own tensors, one per template: float64 zeros in host memory, whatever the templates'
+    device. The averager's process is forked from the peer's and shares these tensors with it: a forked
+    process cannot use CUDA, so tensors on a GPU would leave every round without a group.
+
+    float64: hivemind applies the average as ``x_i + (avg - x_i)``, which rounds differently on each
+    replica; in float64 the rounding error stays far below float32 resolution, so the replicas' float32
+    results agree (and the parameter digest catches the rare case they don't)."""
+    return [torch.zeros(tuple(t.shape), dtype=torch.float64, device="cpu") for t in templates]
+
+
 class StageAverager(DecentralizedAverager):
     """Averages gradient-shaped tensors; serves ``state_fn()`` to replicas that download state.
 
@@ -206,10 +217,7 @@ class StageAverager(DecentralizedAverager):
         self._banned: Dict[str, float] = {}  # peer id -> time.monotonic() until which it is banned (averager process)
         self._fault = GradientFault(fault)
         self._outcomes: Dict[bytes, Aggregate] = {}
-        # float64: hivemind applies the average as ``x_i + (avg - x_i)``, which rounds differently on
-        # each replica; in float64 the rounding error stays far below float32 resolution, so the
-        # replicas' float32 results agree (and the parameter digest catches the rare case they don't)
-        super().__init__([torch.zeros_like(t, dtype=torch.float64) for t in grad_shapes], **kwargs)
+        super().__init__(averaged_buffers(grad_shapes), **kwargs)
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
         """Start the averager's process, which ignores SIGINT (a Ctrl-C reaches every process of the terminal:

@@ -14,11 +14,17 @@ Runs on the peer's compute thread under the runner's lock; knows nothing of acco
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, ContextManager, List, Optional
 
 import torch
 from torch.func import functional_call, vjp, vmap
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # torch before 2.3 has no choice of attention kernel to make
+    SDPBackend = sdpa_kernel = None
 
 from swarm.model import StageModule
 
@@ -43,6 +49,15 @@ def predictive_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(log_p.exp() * log_p).sum(-1).mean()
 
 
+def _attention_for_vmap(device: torch.device) -> ContextManager:
+    """Attention kernels that work under ``vmap`` on ``device``. On CUDA, the memory-efficient kernel's backward
+    fails on the vmapped batch ('LSE is not correctly aligned'); the math kernel handles it as one more
+    batch dimension. The CPU keeps torch's choice."""
+    if device.type == "cpu" or sdpa_kernel is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def merged_backward(module: StageModule, inputs: torch.Tensor, targets: Optional[torch.Tensor],
                     cotangents: Cotangents) -> MergedBackward:
     """Backward of ``N`` requests stacked along a new first dimension of ``inputs`` (and ``targets``)."""
@@ -60,7 +75,7 @@ def merged_backward(module: StageModule, inputs: torch.Tensor, targets: Optional
     vectorised = vmap(one_request, in_dims=(0, 0, None if targets is None else 0))
     hook = module.lm_head.register_forward_hook(lambda m, i, logits: captured.append(logits)) if module.is_last else None
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), _attention_for_vmap(inputs.device):
             if module.is_first:
                 result = vjp(lambda params: vectorised(params, inputs, targets), copies, has_aux=module.is_last)
             else:
@@ -70,6 +85,7 @@ def merged_backward(module: StageModule, inputs: torch.Tensor, targets: Optional
             hook.remove()
     outputs, pullback = result[0], result[1]
     entropies = result[2] if module.is_last else None
-    grads = pullback(cotangents(outputs.detach(), entropies).to(outputs.dtype))
+    with _attention_for_vmap(inputs.device):
+        grads = pullback(cotangents(outputs.detach(), entropies).to(outputs.dtype))
     return MergedBackward(list(grads[0]), None if module.is_first else grads[1],
                           outputs.detach() if module.is_last else None)

@@ -10,6 +10,12 @@ training forward (:meth:`StageRunner.forward_train`) keeps its graph in a byte-b
 :class:`~swarm.server.forward_cache.ForwardCache` and skips the recomputation when the backward comes
 back to it, on the same parameters and with the very same inputs; everything else recomputes.
 
+The optimizer steps host copies of the parameters (on the CPU, the parameters themselves) and a
+replica on a GPU copies the result back after each global step. CUDA's float32 kernels round differently
+from the CPU's: replicas on both kinds of device that stepped on their own devices would end a step with
+different bits, take each other for diverged and download each other's state at every step. Adam's
+moments stay in host memory too, off the GPU.
+
 Gradients are double-buffered: when the swarm reaches the global batch, the accumulated sum
 is *frozen* for averaging and a fresh accumulator starts for the next step, so compute never
 waits for the all-reduce (backward passes computed meanwhile see parameters one step old).
@@ -34,6 +40,7 @@ import torch
 from hivemind.utils import get_logger
 
 from swarm.config import RunConfig
+from swarm.devices import synchronize
 from swarm.finite import all_finite
 from swarm.model import StageModule, build_stage
 from swarm.optimizer import batch_share, make_optimizer, optimizer_step
@@ -141,7 +148,10 @@ class StageRunner:
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
         self.module: StageModule = build_stage(run.model, stage_index, run.num_stages, run.seed).to(self.device)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(self.params, run.optimizer)
+        # the optimizer steps host copies of the parameters on every device (the same tensors on the CPU)
+        self.masters = self.params if self.device.type == "cpu" else \
+            [torch.nn.Parameter(p.detach().cpu().clone()) for p in self.params]
+        self.optimizer = make_optimizer(self.masters, run.optimizer)
         self._init_optimizer_state()
         self.lock = threading.RLock()
         self.meter = ThroughputMeter()
@@ -178,7 +188,7 @@ class StageRunner:
 
     def _init_optimizer_state(self) -> None:
         # AdamW initialises its state lazily; creating it now gives the state a fixed schema to share
-        for p in self.params:
+        for p in self.masters:
             self.optimizer.state[p] = {
                 "step": torch.zeros((), dtype=torch.float32),
                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -332,12 +342,14 @@ class StageRunner:
                 start = time.perf_counter()
                 with torch.no_grad():
                     self.module(self._to_device(inputs), None)
+                synchronize(self.device)  # served forwards are timed up to their copy back to the CPU
                 seconds["forward"] = time.perf_counter() - start
             start = time.perf_counter()
             leaf, outputs, _ = self._graph(inputs, targets, count=False)
             with torch.enable_grad():
                 wrt = self.params if leaf is None else [leaf] + self.params
                 torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
+            synchronize(self.device)
             self._entropy = entropy
         if delay and self.delay_per_sample_s > 0:
             time.sleep(self.delay_per_sample_s * samples)
@@ -538,10 +550,11 @@ class StageRunner:
         with self.lock:
             assert self.frozen is not None, "apply() needs a frozen step"
             if total_samples > 0:  # a step that got no samples here keeps the step count aligned, nothing more
-                for p, g in zip(self.params, mean_grads):
+                for p, g in zip(self.masters, mean_grads):
                     p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-                optimizer_step(self.params, self.optimizer, self.run.optimizer,
+                optimizer_step(self.masters, self.optimizer, self.run.optimizer,
                                lr_scale=batch_share(total_samples, self.run.target_batch_size))
+                self._copy_masters_to_device()
             digest = self._digest()  # before the step moves: no reader sees the new step beside the old digest
             self.step = self.frozen.step + 1
             self.samples_applied += total_samples
@@ -554,7 +567,13 @@ class StageRunner:
         return self.version[1]
 
     def _digest(self) -> str:
-        return parameter_digest(self.params)
+        return parameter_digest(self.masters)
+
+    def _copy_masters_to_device(self) -> None:
+        if self.masters is not self.params:
+            with torch.no_grad():
+                for p, master in zip(self.params, self.masters):
+                    p.copy_(master)
 
     def _parameters_changed(self, digest: str) -> None:
         """After a step or a loaded state (``digest``: of the new parameters, hashed before the step number
@@ -572,22 +591,22 @@ class StageRunner:
 
     def state_tensors(self) -> List[torch.Tensor]:
         with self.lock:
-            tensors = [p.detach().cpu().clone() for p in self.params]
-            for p in self.params:
+            tensors = [p.detach().cpu().clone() for p in self.masters]
+            for p in self.masters:
                 state = self.optimizer.state[p]
                 tensors += [state["exp_avg"].cpu().clone(), state["exp_avg_sq"].cpu().clone()]
-            tensors.append(torch.tensor([float(self.optimizer.state[self.params[0]]["step"])]))
+            tensors.append(torch.tensor([float(self.optimizer.state[self.masters[0]]["step"])]))
             return tensors
 
     def export(self, with_gradients: bool = False) -> Dict[str, object]:
         with self.lock:
             names = [name for name, p in self.module.named_parameters() if p.requires_grad]
             reply: Dict[str, object] = {"step": self.step, "names": names,
-                                        "parameters": [p.detach().cpu().clone() for p in self.params]}
+                                        "parameters": [p.detach().cpu().clone() for p in self.masters]}
             if with_gradients:
                 self._settle_deferred()
                 n = max(self.samples_pending, 1)
-                reply["gradients"] = [g / n for g in self.grad_sum]
+                reply["gradients"] = [(g / n).cpu() for g in self.grad_sum]
                 reply["samples_pending"] = self.samples_pending
             return reply
 
@@ -619,12 +638,13 @@ class StageRunner:
         if tensors[-1].numel() != 1:
             raise ValueError(f"{self.where}: the optimizer step count must be one number")
         with self.lock:
-            for i, p in enumerate(self.params):
+            for i, p in enumerate(self.masters):
                 state = self.optimizer.state[p]
                 p.data.copy_(tensors[i])
                 state["exp_avg"].copy_(tensors[num + 2 * i])
                 state["exp_avg_sq"].copy_(tensors[num + 2 * i + 1])
                 state["step"].fill_(float(tensors[-1][0]))
+            self._copy_masters_to_device()
             digest = self._digest()
             new_step = int(metadata["step"])
             lowest = [self.accum_step, new_step] + ([self.frozen.step] if self.frozen is not None else [])

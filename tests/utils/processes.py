@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence
@@ -14,6 +15,8 @@ __all__ = ["Launcher", "REPO", "RoleProcess", "TINY_MODEL", "FAST_PEER", "wait_f
 TINY_MODEL = ["--num_layers", "2", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "16"]
 FAST_PEER = ["--announce_period_s", "0.5", "--expiration_s", "3", "--poll_period_s", "0.2",
              "--matchmaking_time_s", "1.0", "--averaging_timeout_s", "15", "--state_download_timeout_s", "20"]
+# where stage peers compute: SWARM_TEST_DEVICE=cuda:0 runs every live test's stages on a GPU
+DEVICE = ["--device", os.environ["SWARM_TEST_DEVICE"]] if os.environ.get("SWARM_TEST_DEVICE") else []
 
 
 class Launcher:
@@ -43,7 +46,7 @@ class Launcher:
 
     def peer(self, stage, num_stages: int = 2, target_batch_size: int = 64, extra: Sequence[str] = (),
              wait: bool = True, name: Optional[str] = None) -> RoleProcess:
-        args = ["--stage", str(stage), *self.run_args(num_stages, target_batch_size), *FAST_PEER, *extra]
+        args = ["--stage", str(stage), *self.run_args(num_stages, target_batch_size), *FAST_PEER, *DEVICE, *extra]
         process = self.start("peer", args, name=name)
         if wait:
             process.wait_event("peer_ready", timeout=90)
