@@ -72,9 +72,10 @@ def test_device_names_are_checked_before_anything_starts():
 
 def test_a_peer_on_a_device_this_machine_lacks_stops_with_one_line_before_joining():
     absent = f"cuda:{torch.cuda.device_count() + 7}"
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmVZuyouwwHcm56jT8PaDD5C8GwLskj8oT96rzS1ZH6Pgx"  # never reached
     result = subprocess.run(
         [sys.executable, "-m", "peers.cli", "peer", "--run_id", "x", "--num_stages", "2", "--stage", "0",
-         "--device", absent, "--initial_peers", "/ip4/127.0.0.1/tcp/9/p2p/QmVZuyouwwHcm56jT8PaDD5C8GwLskj8oT96rzS1ZH6Pgx"],
+         "--device", absent, "--initial_peers", nobody],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert f"error: device {absent}:" in result.stderr and "Traceback" not in result.stderr, result.stderr
