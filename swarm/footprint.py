@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Union
 
+from swarm.devices import parse_device
 from swarm.model import Block, ModelConfig, layer_ranges
 
 __all__ = ["StageFootprint", "stage_parameter_counts", "stage_footprint", "expected_footprint",
@@ -65,7 +66,7 @@ def stage_footprint(model: ModelConfig, num_stages: int, stage: int, forward_cac
     parameters = stage_parameter_counts(model, num_stages)[stage]
     cache = 0 if stage == num_stages - 1 else int(forward_cache_mb * 2**20)
     compute, optimizer = parameters * COMPUTE_BYTES_PER_PARAMETER, parameters * OPTIMIZER_BYTES_PER_PARAMETER
-    if device.split(":")[0] == "cpu":
+    if parse_device(device).type == "cpu":
         return StageFootprint(stage, parameters, compute + optimizer, cache)
     return StageFootprint(stage, parameters, compute, cache, host_bytes=optimizer + 4 * parameters)
 
