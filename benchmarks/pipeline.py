@@ -1,6 +1,6 @@
 """Pipeline benchmark: one process vs a 2-stage swarm on loopback, and where the time goes.
 
-Why: a SWARM pipeline pays only if what it adds per micro-batch (serialization, the p2pd
+Why: a SWARM pipeline pays only if what it adds per micro-batch (serialization, the network
 hops, waiting for the other stage, the recomputation of a backward that finds no cached forward)
 is small next to the compute it spreads over machines. This script measures each of those on the same
 model and data, and prints a breakdown, then one JSON line as its last line.
@@ -10,7 +10,8 @@ What runs (every process limited to one torch thread; every address is 127.0.0.1
       forward and backward per micro-batch, gradients accumulated, an optimizer step every
       ``target_batch_size`` samples, as the swarm does.
   (b) swarm: a bootstrap DHT and one stage peer per stage (``--num_threads 1``) as
-      subprocesses, one Trainer in this process (``torch.set_num_threads(1)``), measured
+      subprocesses (each with its direct port, unless ``--direct_port -1``: the trainer's calls then
+      all cross two p2pd daemons), one Trainer in this process (``torch.set_num_threads(1)``), measured
       with max_in_flight 1 (one window) and 4 (``--rounds`` windows; ``swarm_tokens_per_s`` and
       ``ratio`` are for 4, the trainer's default). ``target_batch_size`` defaults to more samples than the benchmark
       ever sends, so no global step happens in a measured window on either side: both
@@ -37,9 +38,10 @@ The breakdown, per micro-batch of the benchmark's shape:
   serialization   swarm.wire.encode + decode of the six messages of one micro-batch (three
                   calls, a request and a reply each), timed in this process.
   transfer        each of those three calls replayed one at a time on the idle swarm:
-                  median round trip - compute - serialization = protobuf, two p2pd daemons,
-                  loopback TCP, the asyncio and executor hand-offs (and any contention
-                  while the probe ran).
+                  median round trip - compute - serialization = sealing and loopback TCP on
+                  the peers' direct ports (two p2pd daemons and protobuf with
+                  ``--direct_port -1``, or until the trainer's direct connection is open), the
+                  asyncio and executor hand-offs (and any contention while the probe ran).
   waiting         what is left of a micro-batch's latency during training: queueing
                   behind other micro-batches on a peer's single compute thread, and CPU
                   contention (two cores shared by both peers, three p2pd daemons, the trainer,
@@ -56,7 +58,7 @@ The breakdown, per micro-batch of the benchmark's shape:
                   activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
                   minus the compute of that forward (StageRunner.forward on the same tensors,
                   timed in this process): the cost of one network hop carrying one activation.
-Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--compression fp16] [--rounds 3] ...
+Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--compression fp16] [--rounds 3] [--direct_port -1] ...
 """
 
 from __future__ import annotations
@@ -114,6 +116,9 @@ def parse_args() -> argparse.Namespace:
                         help="the run's codec for activations and their gradients (the serialization figure "
                              "stays that of uncompressed messages)")
     parser.add_argument("--max_data_mb", type=float, default=2.0, help="corpus bytes read (MiB)")
+    parser.add_argument("--direct_port", type=int, default=0, choices=(0, -1),
+                        help="the peers' direct port: 0 (any free port, the default) or -1 (off: every call "
+                             "goes through p2pd)")
     return parser.parse_args()
 
 
@@ -274,9 +279,9 @@ class CallLog:
         return {name: statistics.mean(ms for n, ms in self.calls if n == name) for name in names}
 
 
-def peer_cli_args(run: RunConfig) -> List[str]:
+def peer_cli_args(run: RunConfig, direct_port: int = 0) -> List[str]:
     m = run.model
-    return ["--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
+    return ["--direct_port", str(direct_port), "--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
             "--target_batch_size", str(run.target_batch_size), "--num_layers", str(m.num_layers),
             "--hidden_size", str(m.hidden_size), "--num_heads", str(m.num_heads), "--seq_len", str(m.seq_len),
             "--vocab_size", str(m.vocab_size), "--num_threads", "1", "--compression", run.compression]
@@ -330,7 +335,7 @@ async def measure_phase(trainer: Trainer, log: CallLog, in_flight: int, samples:
 
 async def time_call(trainer: Trainer, peer_id: str, method: str, message: Dict[str, Any]) -> float:
     start = time.perf_counter()
-    await call_peer(trainer.client.p2p, PeerID.from_base58(peer_id), method, message, timeout=60.0)
+    await call_peer(trainer.client.p2p, PeerID.from_base58(peer_id), method, message, timeout=60.0, direct=True)
     return (time.perf_counter() - start) * 1000
 
 
@@ -563,7 +568,7 @@ def main() -> int:
     sys.stdout.flush()
 
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as log_dir:
-        swarm = Swarm(Path(log_dir), peer_cli_args(run))
+        swarm = Swarm(Path(log_dir), peer_cli_args(run, args.direct_port))
         try:
             swarm.bootstrap()
             ready = swarm.peers([["--stage", "0"], ["--stage", "1"]])
@@ -616,7 +621,7 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         "single_machine_cores_busy": round(single["machine_cores_busy"], 2),
         "single_tokens_per_s_by_window": [round(v, 1) for v in single["tokens_per_s_by_window"]],
         "model": dataclasses.asdict(run.model), "batch_size": args.batch_size, "samples": args.samples,
-        "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}))
+        "direct_port": args.direct_port, "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}))
     return 0
 
 

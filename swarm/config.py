@@ -118,6 +118,7 @@ class PeerConfig:
     speed_test_samples: int = 8  # made-up samples this peer times itself on when it starts (again when its speed figure goes stale, and every 30 s while it stands by), so that it announces a speed before trainers send it work; 0 = off: announce 0 until measured on served calls
     forward_cache_mb: float = 512.0  # MiB of training forwards' autograd state kept so that their backward skips recomputing the forward (oldest dropped first; 0 = always recompute)
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
+    direct_port: int = 0  # TCP port where callers that reach it send large requests around p2pd, sealed with a key they got through p2pd (0 = any free port; -1 = off: every call goes through p2pd)
     max_requests_per_caller: int = 64  # requests one caller may have in flight at this peer; more are answered 'busy'
     max_mb_per_caller: float = 256.0  # MiB of requests one caller may have in flight at this peer (at least max_message_mb)
     leave_timeout_s: float = 10.0  # seconds a leaving peer waits for in-flight requests (SIGTERM)
@@ -150,6 +151,10 @@ class PeerConfig:
                      "log_period_s"):
             _positive(name, getattr(self, name))
         _port("metrics_port", self.metrics_port)
+        if isinstance(self.direct_port, bool) or not isinstance(self.direct_port, int) \
+                or not -1 <= self.direct_port <= 65535:
+            raise ValueError(f"direct_port must be an integer in -1..65535 (0 = any free port, -1 = off), "
+                             f"got {self.direct_port!r}")
         if self.expiration_s < 2 * self.announce_period_s:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
         if not self.delay_per_sample_s >= 0.0:

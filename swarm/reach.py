@@ -24,7 +24,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = ["MAX_MADDRS", "MAX_MADDR_CHARS", "announceable", "listens_on_any", "dialable", "is_routing_failure",
-           "circuit_maddr", "is_circuit", "AddressBook", "address_book", "Dialer", "dialer_for"]
+           "circuit_maddr", "is_circuit", "host_of", "AddressBook", "address_book", "Dialer", "dialer_for"]
 
 logger = get_logger(__name__)
 
@@ -40,7 +40,7 @@ _ROUTING_FAILURES = ("routing: not found", "failed to find any peer in table", "
 _LOCAL_ONLY = [ipaddress.ip_network(n) for n in ("127.0.0.0/8", "::1/128", "172.17.0.0/16")]
 
 
-def _host_of(maddr: Multiaddr) -> Optional[str]:
+def host_of(maddr: Multiaddr) -> Optional[str]:
     names = [p.name for p in maddr.protocols()]
     for proto in ("ip4", "ip6", "dns4", "dns6", "dns"):
         if proto in names:
@@ -107,7 +107,7 @@ def _parse(text: str) -> Optional[Multiaddr]:
     if maddr is None:
         return None
     names = [p.name for p in maddr.protocols()]
-    if _host_of(maddr) is None or not any(t in names for t in _TRANSPORTS) or len(str(maddr)) > MAX_MADDR_CHARS:
+    if host_of(maddr) is None or not any(t in names for t in _TRANSPORTS) or len(str(maddr)) > MAX_MADDR_CHARS:
         return None
     return maddr
 
@@ -120,7 +120,7 @@ def announceable(visible: Iterable[str], listens_on_any: bool) -> List[str]:
     chosen: List[str] = []
     for text in visible:
         maddr = _parse(str(text))
-        if maddr is None or (listens_on_any and _local_only(_host_of(maddr))) or str(maddr) in chosen:
+        if maddr is None or (listens_on_any and _local_only(host_of(maddr))) or str(maddr) in chosen:
             continue
         chosen.append(str(maddr))
     return chosen[:MAX_MADDRS]

@@ -13,8 +13,12 @@ a server refuses an oversized or over-budget request before reading it, and a ca
 reply. The caller closes the stream once it holds the whole reply, and the server keeps its end
 open until then (at most ``LINGER_S``): a server that closed right after writing lost the tail of
 about one reply in 1,000 inside p2pd, a lingering one none in 12,000.
-Payloads above ``OFF_LOOP_BYTES`` are encoded and decoded on a small thread pool, so one
+Payloads above ``swarm.offload.OFF_LOOP_BYTES`` are encoded and decoded on a small thread pool, so one
 large message does not stall every other request of the process.
+
+A stage's forward and backward calls (``direct`` of :func:`call_peer`) go around p2pd, over a sealed
+TCP connection to the peer's direct port (:mod:`swarm.direct`), once one is open; through p2pd when
+none can be, or when it breaks. The server answers them with the same admission and handlers.
 
 Lossy compression (see :mod:`swarm.compression`) is chosen per call: a caller passes
 ``compression`` to :func:`call_peer`, a servicer compresses the replies of the methods named in
@@ -42,9 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
-import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Collection, Dict, Mapping, Optional, Tuple
 
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -52,7 +54,10 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
 from swarm.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
+from swarm.direct import (DIRECT_SESSION_METHOD, SESSION_TIMEOUT_S, DirectBroken, DirectClient, OversizedReply,
+                          direct_client_for)
 from swarm.metrics import count_rpc_bytes, method_label
+from swarm.offload import run_sized
 from swarm.reach import dialer_for, is_routing_failure
 from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode, encode, payload_size_hint
 
@@ -76,8 +81,6 @@ MIN_UPLOAD_BYTES_PER_S = 32 * 2**10  # a request's payload arrives within HEADER
 LINGER_S = 30.0  # how long a server keeps a stream open after its reply, waiting for the caller to close it
 UNARY_REPLY_LIMIT_BYTES = 3 * 2**20 + 2**19
 REPLY_ENVELOPE_BYTES = 64 * 2**10  # what a reply may add to its tensors (keys, shapes, a step, a digest)
-OFF_LOOP_BYTES = 256 * 2**10  # payloads above this are (de)serialized on the codec threads
-CODEC_THREADS = 2
 MAX_ERROR_CHARS = 1000  # an error reply echoes at most this much of its reason
 MAX_REPORTED_CALLERS = 1024  # unauthorized callers remembered so that each is logged once
 KINDS = ("bad_request", "unavailable", "internal", "wrong_stage", "use_stream", "busy", "unauthorized", "bad_reply")
@@ -115,29 +118,12 @@ def _error(message: str, kind: str) -> bytes:
     return encode({"error": message, "kind": kind})
 
 
-_codec_pool: Optional[ThreadPoolExecutor] = None
-_codec_pool_lock = threading.Lock()
-
-
-def _codec_executor() -> ThreadPoolExecutor:
-    """Threads shared by every servicer and caller of this process, created on first use."""
-    global _codec_pool
-    with _codec_pool_lock:
-        if _codec_pool is None:
-            _codec_pool = ThreadPoolExecutor(max_workers=CODEC_THREADS, thread_name_prefix="swarm-codec")
-        return _codec_pool
-
-
 async def _decode(payload: bytes, max_bytes: int) -> Dict[str, Any]:
-    if len(payload) <= OFF_LOOP_BYTES:
-        return decode(payload, max_bytes)
-    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), decode, payload, max_bytes)
+    return await run_sized(len(payload), decode, payload, max_bytes)
 
 
 async def _encode(message: Mapping[str, Any], compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
-    if payload_size_hint(message) <= OFF_LOOP_BYTES:
-        return encode(message, compression, block_size)
-    return await asyncio.get_running_loop().run_in_executor(_codec_executor(), encode, message, compression, block_size)
+    return await run_sized(payload_size_hint(message), encode, message, compression, block_size)
 
 
 class CallerBudget:
@@ -289,7 +275,7 @@ class RPCServicer(ServicerBase):
         reply = await self._dispatch(request.uid, request.metadata, context.remote_id)
         if len(reply) > UNARY_REPLY_LIMIT_BYTES:
             reply = encode({"error": "reply too large for a unary call", "kind": "use_stream"})
-        self._meter(request.uid, len(request.metadata), len(reply))
+        self.meter(request.uid, len(request.metadata), len(reply))
         return runtime_pb2.ExpertResponse(metadata=reply)
 
     async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: Optional[str] = None,
@@ -302,7 +288,7 @@ class RPCServicer(ServicerBase):
         await super().remove_p2p_handlers(p2p, namespace=namespace)
         await p2p.remove_binary_stream_handler(_stream_handler_name(namespace))
 
-    def _meter(self, method: str, received: int, sent: int) -> None:
+    def meter(self, method: str, received: int, sent: int) -> None:
         label = method_label(method, self.handlers)  # callers choose method names: only ours become labels
         count_rpc_bytes(label, "received", received)
         count_rpc_bytes(label, "sent", sent)
@@ -318,7 +304,7 @@ class RPCServicer(ServicerBase):
             writer.write(REPLY_HEADER.pack(len(reply)))
             writer.write(reply)
             await writer.drain()
-            self._meter(method, received, len(reply))
+            self.meter(method, received, len(reply))
             await _linger(reader)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
             logger.debug(f"a stream from {caller} ended early: {type(e).__name__}: {e}")
@@ -326,32 +312,47 @@ class RPCServicer(ServicerBase):
             writer.close()
 
     async def _answer_stream(self, reader: asyncio.StreamReader, caller: str) -> Optional[Tuple[str, int, bytes]]:
-        """(method, request bytes read, reply) for the request on ``reader``; None if it never arrived whole.
-
-        A refused caller, one over its budget and an oversized request are answered from the header,
-        without reading the payload: the caller reads the reply while it is still sending."""
+        """(method, request bytes read, reply) for the request on ``reader``; None if it never arrived whole."""
         method_bytes, size = REQUEST_HEADER.unpack(
             await asyncio.wait_for(reader.readexactly(REQUEST_HEADER.size), HEADER_TIMEOUT_S))
         if method_bytes > MAX_METHOD_BYTES:
             return "", 0, _error(f"a method name of {method_bytes} bytes exceeds {MAX_METHOD_BYTES} bytes", "bad_request")
         method = (await asyncio.wait_for(reader.readexactly(method_bytes), HEADER_TIMEOUT_S)).decode("utf-8", "replace")
-        refusal = self._refusal(caller)
-        if refusal is not None:
-            return method, 0, refusal
-        if size > self.max_message_bytes:
-            return method, 0, _error(f"message of {size} bytes exceeds this peer's limit of {self.max_message_bytes} "
-                                     f"bytes", "bad_request")
-        if not self.budget.admit(caller, size):
-            return method, 0, self._busy(caller)
-        try:
-            timeout = HEADER_TIMEOUT_S + size / MIN_UPLOAD_BYTES_PER_S
+
+        async def read() -> Optional[bytes]:
             try:
-                payload = await asyncio.wait_for(reader.readexactly(size), timeout)
+                return await asyncio.wait_for(reader.readexactly(size), payload_timeout(size))
             except (asyncio.IncompleteReadError, asyncio.TimeoutError):
                 return None
-            return method, size, await self._handle(method, payload, caller)
+
+        reply, consumed = await self.answer(method, size, caller, read)
+        return None if reply is None else (method, size if consumed else 0, reply)
+
+    async def answer(self, method: str, size: int, caller: str,
+                     read: Callable[[], Awaitable[Optional[bytes]]]) -> Tuple[Optional[bytes], bool]:
+        """The reply to a request of ``size`` bytes whose payload ``read()`` returns (None if it never
+        arrived whole: then there is no one to answer), and whether the payload was read.
+
+        A refused caller, one over its budget and an oversized request are answered from the size
+        alone, without reading the payload: the caller reads the reply while it is still sending."""
+        refusal = self._refusal(caller)
+        if refusal is not None:
+            return refusal, False
+        if size > self.max_message_bytes:
+            return _error(f"message of {size} bytes exceeds this peer's limit of {self.max_message_bytes} bytes",
+                          "bad_request"), False
+        if not self.budget.admit(caller, size):
+            return self._busy(caller), False
+        try:
+            payload = await read()
+            return (None if payload is None else await self._handle(method, payload, caller)), True
         finally:
             self.budget.release(caller, size)
+
+
+def payload_timeout(size: int) -> float:
+    """Seconds a request's payload of ``size`` bytes may take to arrive once its header has."""
+    return HEADER_TIMEOUT_S + size / MIN_UPLOAD_BYTES_PER_S
 
 
 def _stream_handler_name(namespace: Optional[str]) -> str:
@@ -433,6 +434,31 @@ async def _call_stream_retrying(p2p: P2P, peer_id: PeerID, method: str, payload:
     return await _call_stream(p2p, peer_id, method, payload, max_reply_bytes)
 
 
+def _direct_client(p2p: P2P) -> DirectClient:
+    """This process's direct connections over ``p2p``, which ask peers for sessions through p2pd."""
+    async def ask(peer_id: str) -> Dict[str, Any]:
+        return await call_peer(p2p, PeerID.from_base58(peer_id), DIRECT_SESSION_METHOD, {}, timeout=SESSION_TIMEOUT_S)
+
+    return direct_client_for(p2p, ask)
+
+
+async def _call_direct(p2p: P2P, peer_id: PeerID, method: str, payload: bytes,
+                       max_reply_bytes: int) -> Optional[bytes]:
+    """The reply from the peer's direct port (:mod:`swarm.direct`); None if no connection to it is open yet
+    (one is being opened meanwhile) or the connection broke: then the call goes through p2pd."""
+    direct = _direct_client(p2p)
+    channel = direct.channel(str(peer_id))
+    if channel is None:
+        return None
+    try:
+        return await direct.call(str(peer_id), channel, method, payload, max_reply_bytes)
+    except OversizedReply as e:
+        raise RemoteError(f"{e} to {method}", "bad_reply") from None
+    except DirectBroken as e:
+        logger.debug(f"{e}; sending {method} through p2pd")
+        return None
+
+
 async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -> bytes:
     response = await stub.rpc_unary(runtime_pb2.ExpertRequest(uid=method, metadata=payload))
     count_rpc_bytes(method_label(method), "sent", len(payload))
@@ -456,12 +482,14 @@ async def _encode_request(message: Mapping[str, Any], compression: str, block_si
 async def call_peer(
     p2p: P2P, peer_id: PeerID, method: str, message: Mapping[str, Any], *, timeout: float, stream: bool = False,
     max_reply_bytes: int = MAX_MESSAGE_BYTES, compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE,
-    expected_reply_bytes: int = 0,
+    expected_reply_bytes: int = 0, direct: bool = False,
 ) -> Dict[str, Any]:
     """Call ``method`` on ``peer_id`` and return its decoded reply, within ``timeout`` seconds.
 
-    A call whose request, or whose reply expected to take ``expected_reply_bytes`` (encoded), is large
-    goes as a stream (:func:`goes_as_stream`); otherwise unary, and repeated as a stream only if the
+    A call with ``direct`` (a stage's forward or backward) goes straight to the peer's direct port once
+    a connection to it is open (:mod:`swarm.direct`; the first such call starts opening one). Otherwise,
+    a call whose request, or whose reply expected to take ``expected_reply_bytes`` (encoded), is large
+    goes as a stream (:func:`goes_as_stream`), and any other unary, repeated as a stream only if the
     server answers 'use_stream' (its reply turned out larger than a unary call carries).
 
     With ``compression`` ``"fp16"`` or ``"int8"`` the request's float tensors travel compressed
@@ -493,7 +521,11 @@ async def call_peer(
         return await _send(payload)
 
     async def _send(payload: bytes) -> Dict[str, Any]:
-        if stream or goes_as_stream(len(payload), expected_reply_bytes):
+        large = stream or goes_as_stream(len(payload), expected_reply_bytes)
+        raw = await _call_direct(p2p, peer_id, method, payload, max_reply_bytes) if direct else None
+        if raw is not None:
+            reply = await _reply(raw)
+        elif large:
             reply = await _reply(await _call_stream_retrying(p2p, peer_id, method, payload, max_reply_bytes))
         else:
             reply = await _reply(await _call_unary(stub, method, payload, max_reply_bytes))

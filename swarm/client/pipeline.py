@@ -228,7 +228,8 @@ class PipelineClient:
             reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
                                     timeout=timeout, max_reply_bytes=self._reply_limit(message),
                                     compression=self.compression, block_size=self.block_size,
-                                    expected_reply_bytes=self._expected_reply_bytes(stage, method, message))
+                                    expected_reply_bytes=self._expected_reply_bytes(stage, method, message),
+                                    direct=True)
         finally:
             remaining = self.in_flight.pop(peer_id) - 1
             if remaining:

@@ -25,12 +25,13 @@ from swarm.agreement import RunFilter, check_run_agreement
 from swarm.config import PeerConfig
 from swarm.auth import Allowlist
 from swarm.dht import identity_of, start_run_dht
+from swarm.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
 from swarm.directory import Directory
 from swarm.metrics import MetricsServer, peer_registry, start_metrics_server
 from swarm.reach import Dialer, dialer_for
 from swarm.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
 from swarm.records import PeerRecord
-from swarm.rpc import NAMESPACE, RPCServicer
+from swarm.rpc import NAMESPACE, RPCServicer, payload_timeout
 from swarm.server.announcer import Announcer
 from swarm.server.averaging import StageAverager
 from swarm.server.batching import BackwardBatcher, ForwardBatcher
@@ -79,6 +80,7 @@ class StagePeer:
         self._progress = {"announce": asyncio.Event(), "coordinate": asyncio.Event()}
         self._tasks: List[asyncio.Task] = []
         self.metrics_server: Optional[MetricsServer] = None  # with --metrics_port
+        self.direct: Optional[DirectServer] = None  # large requests around p2pd; None with --direct_port -1
         self.stopping = asyncio.Event()  # the peer is leaving the swarm
         self.stage_done = asyncio.Event()  # the peer is leaving its current stage (to move, or to leave)
 
@@ -109,12 +111,33 @@ class StagePeer:
             max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20), authorize=Allowlist.of(self.run.allowlist).allows,
             compression=self.run.compression, block_size=self.run.compression_block_size,
             compress_replies=COMPRESSED_METHODS)
+        await self._serve_direct()
         await self.servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
         self._tasks = [asyncio.create_task(self.announcer.run()), asyncio.create_task(self.standby.run())]
         if self.config.checkpoint_dir:
             self._tasks.append(asyncio.create_task(self.checkpoints.run()))
         if self.config.rebalance:
             self._tasks.append(asyncio.create_task(rebalance_loop(self)))
+
+    async def _serve_direct(self) -> None:
+        """Listen for direct calls on the hosts p2pd listens on; a port that cannot be had is logged, and
+        every call then goes through p2pd."""
+        if self.config.direct_port < 0:
+            return
+        hosts = listen_hosts(self.config.network.host_maddrs)
+        if not hosts:
+            return
+        direct = DirectServer(self.servicer, hosts, self.config.direct_port, payload_timeout)
+        try:
+            port = await direct.start()
+        except OSError as e:
+            direct.close()
+            logger.warning(f"cannot listen for direct calls on {hosts} port {self.config.direct_port}: {e}; "
+                           f"every call goes through p2pd")
+            return
+        self.direct = direct
+        self.servicer.handlers[DIRECT_SESSION_METHOD] = direct.session
+        logger.info(f"direct calls: listening on {', '.join(hosts)} port {port}")
 
     async def _serve_stage(self, stage: int) -> None:
         """Take up ``stage``: build its module, get its current state, go online, start stepping."""
@@ -198,6 +221,8 @@ class StagePeer:
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.shutdown()
+        if self.direct is not None:
+            self.direct.close()
 
     # ---- shared by the mechanisms ----
 
