@@ -33,7 +33,7 @@ import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Awaitable, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -45,8 +45,8 @@ from swarm.metrics import count_rpc_bytes, method_label
 from swarm.offload import run_sized
 from swarm.reach import address_book, dialable, host_of, is_circuit
 
-__all__ = ["DIRECT_SESSION_METHOD", "DirectServer", "DirectClient", "DirectBroken", "direct_client_for",
-           "listen_hosts", "connection_key", "Sealer"]
+__all__ = ["DIRECT_SESSION_METHOD", "DirectServer", "DirectClient", "DirectBroken", "OversizedReply",
+           "direct_client_for", "listen_hosts", "connection_key", "Sealer"]
 
 logger = get_logger(__name__)
 
