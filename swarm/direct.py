@@ -111,12 +111,10 @@ def listen_hosts(host_maddrs: Iterable[str]) -> List[str]:
     hosts: List[str] = []
     for text in host_maddrs:
         try:
-            maddr = Multiaddr(str(text))
-            names = [p.name for p in maddr.protocols()]
-            host = next((maddr.value_for_protocol(p) for p in ("ip4", "ip6") if p in names), None)
-        except Exception:
+            host = host_of(Multiaddr(str(text)))
+        except Exception:  # multiaddr raises several unrelated types on garbage
             continue
-        if host is not None and host not in hosts:
+        if host is not None and _is_ip(host) and host not in hosts:
             hosts.append(host)
     wildcards = [h for h in hosts if h in _WILDCARDS]
     return wildcards or hosts
@@ -400,8 +398,8 @@ class DirectClient:
 
     async def call(self, peer_id: str, channel: _Channel, method: str, payload: bytes, max_reply_bytes: int) -> bytes:
         """Send one request on a connection of ``channel`` and return the reply. Raises :class:`DirectBroken`
-        (and forgets the channel) if the connection failed, and ``oversized`` for a reply announced larger
-        than ``max_reply_bytes`` (the peer misbehaved)."""
+        (and forgets the channel) if the connection failed, and :class:`OversizedReply` for a reply announced
+        larger than ``max_reply_bytes`` (the peer misbehaved)."""
         name = method.encode("utf-8")
         if len(name) > MAX_METHOD_BYTES:
             raise ValueError(f"method name of {len(name)} bytes exceeds {MAX_METHOD_BYTES} bytes")
@@ -422,6 +420,7 @@ class DirectClient:
             if done:
                 self._give_back(peer_id, channel, connection)
                 count_rpc_bytes(method_label(method), "sent", len(payload))
+                count_rpc_bytes(method_label(method), "received", len(reply))
             else:
                 connection.close()  # cancelled or failed mid-call: its frames are out of step
 
@@ -438,9 +437,7 @@ class DirectClient:
             if sealed_size > max_reply_bytes + TAG_BYTES or sealed_size < TAG_BYTES:
                 raise OversizedReply(f"a direct reply of {sealed_size - TAG_BYTES} bytes (limit {max_reply_bytes})")
             sealed_reply = await connection.reader.readexactly(sealed_size)
-            reply = await run_sized(sealed_size, connection.sealer.next_open(), sealed_reply, reply_header)
-            count_rpc_bytes(method_label(name.decode("utf-8", "replace")), "received", len(reply))
-            return reply
+            return await run_sized(sealed_size, connection.sealer.next_open(), sealed_reply, reply_header)
         finally:
             if sending.done() and not sending.cancelled():
                 sending.exception()  # retrieved: a server that answered unread stops reading
