@@ -3,7 +3,7 @@ whose bootstrap enforces the run's record schema, reading the roles' logs (losse
 accounting that leaves the attacker out, and a held-out loss of the honest replicas' parameters.
 
 Everything here runs in the benchmark's own process. Network waits are bounded: parameter
-downloads by ``timeout`` (plus a margin), DHT reads by :func:`swarm.dht_io.fetch_records`.
+downloads by ``timeout`` (plus a margin), DHT reads by :func:`swarm.dht.store.fetch_records`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from _swarm import LOOPBACK, TINY_MODEL, LiveSwarm, online
-from swarm.data import load_corpus, validation_batches
-from swarm.local_training import evaluate
-from swarm.model import FullModel, ModelConfig
-from swarm.records import PeerRecord
+from swarm.training.data import load_corpus, validation_batches
+from swarm.training.single_process import evaluate
+from swarm.model.gpt import FullModel, ModelConfig
+from swarm.dht.records import PeerRecord
 from tests.utils.probe import Probe
 
 __all__ = ["Attack", "ATTACKS", "AttackSwarm", "LogLine", "read_log", "trainer_losses", "tail_mean", "first_exclusion",

@@ -7,7 +7,7 @@ process group each, every address 127.0.0.1) with :class:`peers.launcher.RolePro
 every process group (the role, its p2pd daemon and hivemind's forked helpers).
 
 Every network wait here is bounded: role events by ``timeout``, DHT reads by
-:func:`swarm.dht_io.fetch_records` (5 s) and :func:`wait_for` by its own deadline.
+:func:`swarm.dht.store.fetch_records` (5 s) and :func:`wait_for` by its own deadline.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers.launcher import RoleProcess, stop_all  # noqa: E402
-from swarm.dht_io import fetch_records  # noqa: E402
-from swarm.records import PeerRecord, TrainerRecord, trainers_key  # noqa: E402
+from swarm.dht.store import fetch_records  # noqa: E402
+from swarm.dht.records import PeerRecord, TrainerRecord, trainers_key  # noqa: E402
 from tests.utils.probe import Probe, online  # noqa: E402
 from tests.utils.processes import FAST_PEER, TINY_MODEL  # noqa: E402
 

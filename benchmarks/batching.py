@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from swarm.config import RunConfig  # noqa: E402
-from swarm.model import ModelConfig  # noqa: E402
+from swarm.config.settings import RunConfig  # noqa: E402
+from swarm.model.gpt import ModelConfig  # noqa: E402
 from swarm.server.runner import StageRunner  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 Live: N real hivemind ``DHTNode``s on loopback in this one process (each node still starts its own
 ``p2pd``: a daemon holds a single libp2p identity), each with its own RSA key and the run's
 validators (``RSASignatureValidator`` + the run schema), each acting as a stage peer does: it keeps a
-:class:`swarm.directory.Directory` and stores a full-size ``PeerRecord`` through it every announce
+:class:`swarm.dht.directory.Directory` and stores a full-size ``PeerRecord`` through it every announce
 period. ``--pollers`` of them (spread over the stages) also poll it every poll period (their own
 stage every poll, the other stages every announce period, probes when due): a hivemind lookup costs
 its reader 0.1-0.5 s of CPU, so one process cannot poll for hundreds of nodes, and the traffic per
@@ -22,7 +22,7 @@ Simulated: :mod:`swarm.simulate.dht_traffic`, its per-byte overhead calibrated o
 at 1,000 and 10,000 peers; the largest message there is one shard's value.
 
 Also measured: the CPU a node spends checking one lookup answer that holds a full shard, with hivemind's
-validators alone and once the node remembers records it accepted (:mod:`swarm.validator_cache`).
+validators alone and once the node remembers records it accepted (:mod:`swarm.dht.validator_cache`).
 
 Last line: a JSON list of ``{"peers", "dht_bytes_per_s_per_peer", "max_record_bytes", "lookup_ms_p50",
 "source"}`` rows, with the largest message, the directory level and ``check_ms_per_shard_answer`` per row.
@@ -52,15 +52,15 @@ from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer  # noqa: E402
 
 from swarm import PROTOCOL_VERSION  # noqa: E402
-from swarm.directory import PROBE_PERIOD_S, Directory  # noqa: E402
-from swarm.identity import Identity, load_or_create_identity  # noqa: E402
+from swarm.dht.directory import PROBE_PERIOD_S, Directory  # noqa: E402
+from swarm.dht.identity import Identity, load_or_create_identity  # noqa: E402
 from swarm.policy.directory import SHARD_CAPACITY, level_for  # noqa: E402
-from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS  # noqa: E402
-from swarm.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, run_schema_validator  # noqa: E402
+from swarm.net.addresses import MAX_MADDR_CHARS, MAX_MADDRS  # noqa: E402
+from swarm.dht.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, run_schema_validator  # noqa: E402
 from swarm.simulate.dht_traffic import (  # noqa: E402
     MESSAGE_CAP_BYTES, TrafficModel, calibrate, per_peer_bytes_per_s, shard_value_bytes,
 )
-from swarm.validator_cache import RememberingValidator  # noqa: E402
+from swarm.dht.validator_cache import RememberingValidator  # noqa: E402
 
 RUN_ID = "cp_bench"
 LOOKUP_TIMEOUT_S = 5.0  # a live peer's (Directory.read's and .store's default)

@@ -35,7 +35,7 @@ The breakdown, per micro-batch of the benchmark's shape:
                   recomputes stage 0's forward: 'stage 0 backward (recomputing)' shows its cost.
   cache           the stage-0 peer's forward cache during the phase: hits (backward passes that
                   reused their forward's graph) and recomputations (backward passes that did not).
-  serialization   swarm.wire.encode + decode of the six messages of one micro-batch (three
+  serialization   swarm.net.wire.encode + decode of the six messages of one micro-batch (three
                   calls, a request and a reply each), timed in this process.
   transfer        each of those three calls replayed one at a time on the idle swarm:
                   median round trip - compute - serialization = sealing and loopback TCP on
@@ -85,11 +85,11 @@ from hivemind.p2p import PeerID  # noqa: E402
 from _roles import Swarm, cpu_seconds_by_kind, machine_busy_seconds, paused  # noqa: E402
 from swarm import wire  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
-from swarm.config import NetworkConfig, RunConfig, TrainerConfig  # noqa: E402
-from swarm.data import BatchSampler, Corpus, load_corpus  # noqa: E402
-from swarm.model import FullModel, ModelConfig  # noqa: E402
-from swarm.optimizer import make_optimizer, optimizer_step  # noqa: E402
-from swarm.rpc import call_peer  # noqa: E402
+from swarm.config.settings import NetworkConfig, RunConfig, TrainerConfig  # noqa: E402
+from swarm.training.data import BatchSampler, Corpus, load_corpus  # noqa: E402
+from swarm.model.gpt import FullModel, ModelConfig  # noqa: E402
+from swarm.training.optimizer import make_optimizer, optimizer_step  # noqa: E402
+from swarm.net.rpc import call_peer  # noqa: E402
 from swarm.server.runner import StageRunner  # noqa: E402
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

@@ -96,7 +96,7 @@ async def fetch_run_manifest(address: str, timeout: float = MANIFEST_FETCH_TIMEO
     which a throwaway node does not need."""
     from hivemind.p2p import P2P
 
-    from swarm.manifest import fetch_manifest_from
+    from swarm.dht.manifest import fetch_manifest_from
 
     p2p = await P2P.create(initial_peers=[address], startup_timeout=timeout)
     try:
@@ -108,7 +108,7 @@ async def fetch_run_manifest(address: str, timeout: float = MANIFEST_FETCH_TIMEO
 def fetch_manifest_or_exit(address: str):
     """The verified run manifest that the peer at ``--join ADDRESS`` serves; exits with code 2 when the
     address names no peer, 1 when the manifest cannot be fetched or trusted."""
-    from swarm.manifest import ManifestError, peer_id_in_address
+    from swarm.dht.manifest import ManifestError, peer_id_in_address
 
     try:
         peer_id_in_address(address)
@@ -133,7 +133,7 @@ def load_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, des
     Returns (config, the verified manifest or None). Exits with code 2 and one line on stderr when
     a setting the user gave contradicts the manifest, and with code 1 when the manifest cannot be
     fetched or trusted, or the run is private and this peer is not on its allowlist."""
-    from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
+    from swarm.config.loading import ConfigError, config_from_dict, parse_role_args
 
     role = parse_role_args(cls, argv, prog, description, add_extras=_add_join)
     address = role.extras.join
@@ -142,7 +142,7 @@ def load_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, des
             return config_from_dict(cls, role.settings), None
         except ConfigError as e:
             role.parser.error(f"invalid configuration: {e}")
-    from swarm.manifest import join_settings
+    from swarm.dht.manifest import join_settings
 
     manifest = fetch_manifest_or_exit(address)
     try:
@@ -155,12 +155,12 @@ def load_role_config(cls: Type[T], argv: Optional[Sequence[str]], prog: str, des
 
 def _check_allowed(config: Any, manifest: Any) -> None:
     """Refuse early, with the reason, to join a private run that would refuse this peer."""
-    from swarm.auth import Allowlist, check_membership
+    from swarm.dht.auth import Allowlist, check_membership
 
     allowlist = Allowlist.of(manifest.run.allowlist)
     own_peer_id = None
     if not allowlist.is_open and config.network.identity_path is not None:
-        from swarm.identity import load_or_create_identity
+        from swarm.dht.identity import load_or_create_identity
 
         try:
             own_peer_id = load_or_create_identity(config.network.identity_path).peer_id
@@ -187,7 +187,7 @@ def parameter_count(model: Any) -> int:
     """Parameters of the whole model of ``model`` (a ModelConfig), counted without allocating them."""
     import torch
 
-    from swarm.model import Block
+    from swarm.model.gpt import Block
 
     with torch.device("meta"):
         per_block = sum(p.numel() for p in Block(model).parameters())
@@ -210,7 +210,7 @@ def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = 
                   forward_cache_mb: float = 0.0) -> str:
     """What a role is about to do, in a few plain lines, before it starts: the run, the model, what this
     role will do on which device and, for a peer, the memory it expects to need."""
-    from swarm.footprint import PROCESS_BASE_BYTES, expected_footprint
+    from swarm.model.footprint import PROCESS_BASE_BYTES, expected_footprint
 
     access = "anyone may join" if not run.allowlist else f"private run, {len(run.allowlist)} allowed peers"
     lines = [f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "

@@ -17,8 +17,8 @@ from typing import List, Optional, Sequence
 import yaml
 
 from peers._common import emit, setup_logging, stop_event
-from swarm.config import BootstrapConfig, RunConfig
-from swarm.config_loading import ConfigError, config_from_dict, parse_role_config
+from swarm.config.settings import BootstrapConfig, RunConfig
+from swarm.config.loading import ConfigError, config_from_dict, parse_role_config
 
 logger = logging.getLogger("swarm.bootstrap")
 MANIFEST_EXPIRATION_S = 600.0  # seconds a published manifest lives in the DHT without being re-published
@@ -43,7 +43,7 @@ def join_address(maddrs: Sequence[str], peer_id: str) -> str:
 
 
 async def _keep_published(dht, signed) -> None:
-    from swarm.manifest import publish_manifest
+    from swarm.dht.manifest import publish_manifest
 
     while True:
         try:
@@ -57,10 +57,10 @@ async def _keep_published(dht, signed) -> None:
 async def _serve_rpcs(dht, run: Optional[RunConfig]) -> List[asyncio.Task]:
     """Dial joiners back (their reachability check); as the organiser also sign the manifest, serve it as an
     RPC and keep it published. Returns the publishing task, if any."""
-    from swarm.dht import identity_of
-    from swarm.manifest import MANIFEST_METHOD, manifest_handler, sign_manifest
-    from swarm.reachability import DIAL_BACK_METHOD, dial_back_handler
-    from swarm.rpc import NAMESPACE, RPCServicer
+    from swarm.dht.node import identity_of
+    from swarm.dht.manifest import MANIFEST_METHOD, manifest_handler, sign_manifest
+    from swarm.net.reachability import DIAL_BACK_METHOD, dial_back_handler
+    from swarm.net.rpc import NAMESPACE, RPCServicer
 
     handlers = {DIAL_BACK_METHOD: dial_back_handler()}
     if run is not None:
@@ -72,8 +72,8 @@ async def _serve_rpcs(dht, run: Optional[RunConfig]) -> List[asyncio.Task]:
 
 
 async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int:
-    from swarm.dht import start_dht, start_run_dht
-    from swarm.reachability import RELAY_SERVICE_OPTIONS
+    from swarm.dht.node import start_dht, start_run_dht
+    from swarm.net.reachability import RELAY_SERVICE_OPTIONS
 
     stop = stop_event()
     # an entry point is also the relay of the run's peers that others cannot reach

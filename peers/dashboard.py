@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Tuple
 
 from peers._common import _add_join, _exit, emit, fail, fetch_manifest_or_exit, setup_logging, stop_event
-from swarm.config import NetworkConfig
-from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
+from swarm.config.settings import NetworkConfig
+from swarm.config.loading import ConfigError, config_from_dict, parse_role_args
 from swarm.metrics import MetricsPortError, check_metrics_port
-from swarm.records import validate_run_id
+from swarm.dht.records import validate_run_id
 
 
 @dataclass
@@ -113,7 +113,7 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
     from swarm.dashboard.poller import DashboardPoller
     from swarm.dashboard.server import DashboardServer, StateBox
     from swarm.dashboard.state import Snapshot, build_state
-    from swarm.dht import start_dht, start_run_dht
+    from swarm.dht.node import start_dht, start_run_dht
 
     stop = stop_event()
     history = History(config.history_len)

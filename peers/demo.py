@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence
 from peers._common import setup_logging, stop_event
 from peers.launcher import RoleProcess
 from peers.status import status_line
-from swarm.config import DemoConfig, NetworkConfig
-from swarm.config_loading import parse_role_config
+from swarm.config.settings import DemoConfig, NetworkConfig
+from swarm.config.loading import parse_role_config
 
 
 def _run_flags(config: DemoConfig) -> List[str]:
@@ -55,7 +55,7 @@ def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]
 
 
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
-    from swarm.dht import start_dht
+    from swarm.dht.node import start_dht
 
     run = config.run
     dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True, run_id=run.run_id,

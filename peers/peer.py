@@ -7,10 +7,10 @@ import logging
 from typing import Optional, Sequence
 
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
-from swarm.config import PeerConfig
-from swarm.config_loading import ConfigError
-from swarm.devices import check_available, parse_device
-from swarm.metrics import MetricsPortError, PeerSnapshot, peer_snapshot
+from swarm.config.settings import PeerConfig
+from swarm.config.loading import ConfigError
+from swarm.model.devices import check_available, parse_device
+from swarm.metrics import MetricsPortError, PeerSnapshot
 
 logger = logging.getLogger("swarm.peer")
 
@@ -25,7 +25,7 @@ def progress_line(s: PeerSnapshot) -> str:
 async def _report_progress(peer, period_s: float) -> None:
     while True:
         await asyncio.sleep(period_s)
-        logger.info(progress_line(peer_snapshot(peer)))
+        logger.info(progress_line(peer.snapshot()))
 
 
 async def serve(config: PeerConfig) -> int:

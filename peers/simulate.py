@@ -9,7 +9,7 @@ from typing import List
 
 from swarm.policy.rebalance import RebalanceConfig
 from swarm.simulate import SimConfig, run_experiment
-from swarm.simulate.config import DEFAULT_SIM_REBALANCE, JOIN_POLICY_NAMES, StepSimConfig
+from swarm.config.simulation import DEFAULT_SIM_REBALANCE, JOIN_POLICY_NAMES, StepSimConfig
 
 
 def _floats(text: str) -> tuple:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
 from peers._common import setup_logging, stop_event
-from swarm.config import NetworkConfig
-from swarm.config_loading import parse_role_config
-from swarm.records import validate_run_id
+from swarm.config.settings import NetworkConfig
+from swarm.config.loading import parse_role_config
+from swarm.dht.records import validate_run_id
 
 
 @dataclass
@@ -44,9 +44,9 @@ def format_status(elapsed: float, peers: Dict, trainers: Dict) -> str:
 
 
 async def status_line(dht, run_id: str, num_stages: int, elapsed: float) -> str:
-    from swarm.dht_io import fetch_records
-    from swarm.directory import fetch_stage_records
-    from swarm.records import TrainerRecord, trainers_key
+    from swarm.dht.store import fetch_records
+    from swarm.dht.directory import fetch_stage_records
+    from swarm.dht.records import TrainerRecord, trainers_key
 
     peers = await fetch_stage_records(dht, run_id, num_stages)
     trainers = await fetch_records(dht, trainers_key(run_id), TrainerRecord)
@@ -54,7 +54,7 @@ async def status_line(dht, run_id: str, num_stages: int, elapsed: float) -> str:
 
 
 async def watch(config: StatusConfig) -> int:
-    from swarm.dht import start_dht
+    from swarm.dht.node import start_dht
 
     stop = stop_event()
     dht = start_dht(config.network, client_mode=True, run_id=config.run_id, num_stages=config.num_stages)

@@ -9,8 +9,8 @@ import time
 from typing import Optional, Sequence
 
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
-from swarm.config import TrainerConfig
-from swarm.config_loading import ConfigError
+from swarm.config.settings import TrainerConfig
+from swarm.config.loading import ConfigError
 from swarm.metrics import MetricsPortError
 
 logger = logging.getLogger("swarm.trainer")

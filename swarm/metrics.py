@@ -7,11 +7,12 @@ Two kinds of metrics, so that the code being measured needs as few hooks as poss
   (:func:`count_rpc_bytes`, :func:`count_ban`, :func:`observe_allreduce`, :func:`count_verification`).
   They cost a lock and an addition, and count whether or not anything serves them.
 - A role's *state* (step, queue, samples, loss, throughput) is read from the live object when
-  ``/metrics`` is scraped: :func:`peer_snapshot` and :func:`trainer_snapshot` copy the figures, and
+  ``/metrics`` is scraped: the role's own ``snapshot()`` (``StagePeer.snapshot``, ``Trainer.snapshot``)
+  copies the figures into a :class:`PeerSnapshot` or :class:`TrainerSnapshot`, and
   the pure :func:`peer_families` / :func:`trainer_families` turn a snapshot into metric families.
 
-Every role has its own :class:`~prometheus_client.CollectorRegistry` (:func:`peer_registry`,
-:func:`trainer_registry`), never prometheus' global one, so several roles in one process (tests)
+Every role has its own :class:`~prometheus_client.CollectorRegistry` (:func:`role_registry`), never
+prometheus' global one, so several roles in one process (tests)
 do not collide; each registry also serves the process-wide event metrics. Scrapes run on
 prometheus_client's HTTP thread and only read the role's attributes (numbers, and containers
 copied in one C-level call), never change them.
@@ -21,22 +22,19 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from swarm.client.trainer import Trainer
-    from swarm.server.peer import StagePeer
+S = TypeVar("S")
 
 __all__ = [
-    "MetricsServer", "MetricsPortError", "start_metrics_server", "new_registry", "peer_registry", "trainer_registry",
+    "MetricsServer", "MetricsPortError", "start_metrics_server", "new_registry", "role_registry",
     "count_rpc_bytes", "count_ban", "observe_allreduce", "count_verification", "count_dht", "method_label",
-    "PeerSnapshot", "TrainerSnapshot", "peer_snapshot", "trainer_snapshot", "peer_families", "trainer_families",
+    "PeerSnapshot", "TrainerSnapshot", "peer_families", "trainer_families",
     "check_metrics_port",
 ]
 
@@ -204,37 +202,6 @@ def trainer_families(s: TrainerSnapshot) -> List[Metric]:
     return families
 
 
-def peer_snapshot(peer: "StagePeer") -> PeerSnapshot:
-    """Copy a live peer's figures (any thread: reads only)."""
-    runner, steps = peer.runner, peer.steps
-    peer_id = peer.peer_id if peer.dht is not None else ""
-    return PeerSnapshot(
-        run_id=peer.run.run_id, peer_id=peer_id, state=peer.state, stage=peer.stage,
-        step=runner.step if runner else 0, samples_processed=runner.samples_processed if runner else 0,
-        samples_applied=runner.samples_applied if runner else 0, samples_pending=runner.samples_pending if runner else 0,
-        queue_length=peer.queued, in_flight=peer.in_flight, throughput=runner.meter.samples_per_s if runner else 0.0,
-        forwards=runner.num_forwards if runner else 0, recomputed=runner.num_recomputed if runner else 0,
-        forward_cache=runner.forward_cache.stats() if runner else {},
-        banned_replicas=len(steps.banned_now()) if steps is not None else 0)
-
-
-def trainer_snapshot(trainer: "Trainer") -> TrainerSnapshot:
-    """Copy a live trainer's figures (any thread: reads only)."""
-    m, run = trainer.metrics, trainer.run
-    records = list(trainer.records.values())
-    last = run.num_stages - 1
-    steps = [r.step for r in records if r.stage == last and r.state == "online"]
-    client = getattr(trainer, "client", None)  # made by start()
-    now = time.monotonic()
-    banned = 0 if client is None else sum(client.router.is_banned(r.peer_id, now) for r in records)
-    return TrainerSnapshot(
-        run_id=run.run_id, trainer_id=trainer.trainer_id if trainer.dht is not None else "",
-        samples_sent=m.samples_sent, micro_batches_failed=m.micro_batches_failed, resent=trainer.ledger.num_resent,
-        uncommitted=len(trainer.ledger), samples_committed=dict(trainer.ledger.samples_committed),
-        loss=m.recent_loss(), samples_per_s=m.samples_per_s, tokens_per_s=m.samples_per_s * run.model.seq_len,
-        global_step=max(steps, default=0), banned_peers=banned)
-
-
 class _RoleCollector(Collector):
     """Reads a live role's snapshot on every scrape."""
 
@@ -262,15 +229,11 @@ def new_registry() -> CollectorRegistry:
     return registry
 
 
-def peer_registry(peer: "StagePeer") -> CollectorRegistry:
+def role_registry(snapshot: Callable[[], S], families: Callable[[S], List[Metric]]) -> CollectorRegistry:
+    """A role's registry: :func:`new_registry` plus the role's state, read with ``snapshot()`` at every scrape
+    and turned into metric families by ``families`` (:func:`peer_families`, :func:`trainer_families`)."""
     registry = new_registry()
-    registry.register(_RoleCollector(lambda: peer_snapshot(peer), peer_families))
-    return registry
-
-
-def trainer_registry(trainer: "Trainer") -> CollectorRegistry:
-    registry = new_registry()
-    registry.register(_RoleCollector(lambda: trainer_snapshot(trainer), trainer_families))
+    registry.register(_RoleCollector(snapshot, families))
     return registry
 
 

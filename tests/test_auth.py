@@ -21,14 +21,14 @@ from hivemind.p2p import PeerID
 from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.auth import (Allowlist, AllowlistAuthorizer, NonceCache, authorize_peer, authorizer_for, check_freshness,
+from swarm.dht.auth import (Allowlist, AllowlistAuthorizer, NonceCache, authorize_peer, authorizer_for, check_freshness,
                         check_membership)
-from swarm.config import NetworkConfig, RunConfig
-from swarm.dht import start_dht
-from swarm.identity import load_or_create_identity, peer_id_of
-from swarm.manifest import ManifestError, fetch_manifest, publish_manifest, sign_manifest
-from swarm.model import ModelConfig
-from swarm.records import manifest_key
+from swarm.config.settings import NetworkConfig, RunConfig
+from swarm.dht.node import start_dht
+from swarm.dht.identity import load_or_create_identity, peer_id_of
+from swarm.dht.manifest import ManifestError, fetch_manifest, publish_manifest, sign_manifest
+from swarm.model.gpt import ModelConfig
+from swarm.dht.records import manifest_key
 from swarm.server.averaging import StageAverager
 from tests.utils.processes import REPO
 

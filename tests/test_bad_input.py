@@ -14,10 +14,10 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.dht import blacklisted_peers
-from swarm.records import stage_key
-from swarm.rpc import NAMESPACE, RemoteError, RPCServicer
-from swarm.wire import decode
+from swarm.dht.node import blacklisted_peers
+from swarm.dht.records import stage_key
+from swarm.net.rpc import NAMESPACE, RemoteError, RPCServicer
+from swarm.net.wire import decode
 from tests.utils.probe import Probe, online
 from tests.utils.processes import REPO, Launcher
 

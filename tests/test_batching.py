@@ -10,8 +10,8 @@ from typing import Tuple
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.model import ModelConfig, build_stage
+from swarm.config.settings import RunConfig
+from swarm.model.gpt import ModelConfig, build_stage
 from swarm.policy.poisoning import PoisoningConfig
 from swarm.server.batching import ForwardBatcher
 from swarm.server.runner import StageRunner

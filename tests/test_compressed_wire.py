@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from swarm.client.verification import compression_slack
-from swarm.compression import compress, decompress, error_bound
-from swarm.config import PeerConfig, RunConfig
-from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
-from swarm.manifest import run_differences, run_hash, run_settings
-from swarm.rpc import RPCServicer, call_peer
+from swarm.net.compression import compress, decompress, error_bound
+from swarm.config.settings import PeerConfig, RunConfig
+from swarm.config.loading import ConfigError, config_from_dict, parse_role_args
+from swarm.dht.manifest import run_differences, run_hash, run_settings
+from swarm.net.rpc import RPCServicer, call_peer
 from swarm.server.handlers import COMPRESSED_METHODS
-from swarm.wire import decode, encode
+from swarm.net.wire import decode, encode
 from tests.utils.memory_stream import MemoryStreams
 
 
@@ -91,7 +91,7 @@ def test_compression_is_a_run_flag_and_part_of_the_run_agreement():
     for other in (dataclasses.replace(plain, compression="int8"),
                   dataclasses.replace(plain, compression_block_size=512)):
         assert run_hash(other) != run_hash(plain)  # peers announce it: records of the other setting are ignored
-        # what a joiner with other settings is refused with (swarm.agreement names the first differing field)
+        # what a joiner with other settings is refused with (swarm.dht.agreement names the first differing field)
         assert run_differences(plain, other)[0][0].startswith("compression")
     signed_settings = run_settings(dataclasses.replace(plain, compression="fp16"))  # what a manifest carries
     assert config_from_dict(RunConfig, signed_settings).compression == "fp16"
@@ -200,7 +200,7 @@ def test_butterfly_int8_codec_round_trips_float64_parts_and_refuses_lies(monkeyp
     from hivemind.compression import CompressionInfo, Float16Compression, deserialize_torch_tensor
     from hivemind.compression import serialization
 
-    from swarm.compression import CompressionError
+    from swarm.net.compression import CompressionError
     from swarm.server.averaging import BlockwiseInt8, _register_decoder, butterfly_compression
 
     assert isinstance(butterfly_compression("fp16"), Float16Compression)

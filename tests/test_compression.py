@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from swarm.compression import (DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, Compressed, CompressionError,
+from swarm.net.compression import (DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, Compressed, CompressionError,
                                compress, decompress, error_bound, num_blocks)
-from swarm.wire import encode
+from swarm.net.wire import encode
 
 
 def varied_magnitudes(numel: int, block_size: int, seed: int = 0) -> torch.Tensor:

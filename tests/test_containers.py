@@ -19,10 +19,10 @@ import yaml
 
 from peers.cli import SUBCOMMANDS
 from peers.dashboard import DashboardConfig
-from swarm.config import BootstrapConfig, PeerConfig, TrainerConfig
-from swarm.config_loading import ConfigError, config_from_dict, parse_role_args
-from swarm.identity import load_or_create_identity
-from swarm.reach import announceable, listens_on_any
+from swarm.config.settings import BootstrapConfig, PeerConfig, TrainerConfig
+from swarm.config.loading import ConfigError, config_from_dict, parse_role_args
+from swarm.dht.identity import load_or_create_identity
+from swarm.net.addresses import announceable, listens_on_any
 from tests.utils.benchmark_modules import load_benchmark
 from tests.utils.processes import REPO
 
@@ -107,7 +107,7 @@ def test_every_role_joins_through_the_bootstrap_at_its_fixed_address():
     address = _bootstrap_address(services)
     subnet = ipaddress.ip_network(data["networks"]["swarm"]["ipam"]["config"][0]["subnet"])
     assert ipaddress.ip_address(address.split("/")[2]) in subnet
-    # a peer announces its address on this network: swarm/reach.py must not take it for a local-only one
+    # a peer announces its address on this network: swarm/net/addresses.py must not take it for a local-only one
     assert announceable([f"/ip4/{next(subnet.hosts())}/tcp/31337"], listens_on_any=True)
     for name, service in services.items():
         argv = _argv(service)

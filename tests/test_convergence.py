@@ -12,10 +12,10 @@ from typing import Sequence, Tuple
 
 import torch
 
-from swarm.data import load_corpus, validation_batches
-from swarm.local_training import evaluate, train_single_process
-from swarm.model import FullModel, ModelConfig
-from swarm.optimizer import OptimizerConfig
+from swarm.training.data import load_corpus, validation_batches
+from swarm.training.single_process import evaluate, train_single_process
+from swarm.model.gpt import FullModel, ModelConfig
+from swarm.training.optimizer import OptimizerConfig
 from tests.utils.probe import Probe, online
 from tests.utils.processes import Launcher
 

@@ -15,9 +15,9 @@ from typing import List, Tuple
 import pytest
 import torch
 
-from swarm.config import PeerConfig, RunConfig
-from swarm.devices import check_available, parse_device, synchronize
-from swarm.model import ModelConfig
+from swarm.config.settings import PeerConfig, RunConfig
+from swarm.model.devices import check_available, parse_device, synchronize
+from swarm.model.gpt import ModelConfig
 from swarm.server.runner import StageRunner
 from tests.utils.probe import online
 from tests.utils.processes import REPO

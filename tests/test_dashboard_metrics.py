@@ -14,7 +14,7 @@ from swarm.dashboard.join import JoinInfo
 from swarm.dashboard.metrics import dashboard_families, dashboard_registry
 from swarm.dashboard.server import StateBox
 from swarm.dashboard.state import Snapshot, build_state
-from swarm.records import AccusationRecord, PeerRecord, TrainerRecord
+from swarm.dht.records import AccusationRecord, PeerRecord, TrainerRecord
 from tests.utils.processes import RoleProcess, stop_all
 from tests.test_metrics import free_port, samples_of, wait_for_scrape
 

@@ -7,12 +7,12 @@ import shlex
 
 import pytest
 
-from swarm.config import PeerConfig, RunConfig
-from swarm.config_loading import config_from_dict, parse_role_args
+from swarm.config.settings import PeerConfig, RunConfig
+from swarm.config.loading import config_from_dict, parse_role_args
 from swarm.dashboard.history import History, HistoryPoint
 from swarm.dashboard.join import JoinInfo, join_commands, run_flags
 from swarm.dashboard.state import Snapshot, build_state, history_point
-from swarm.records import AccusationRecord, PeerRecord, TrainerRecord
+from swarm.dht.records import AccusationRecord, PeerRecord, TrainerRecord
 
 
 def peer(peer_id: str, stage: int, step: int, throughput: float = 10.0, state: str = "online", excluded: str = "",

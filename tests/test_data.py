@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.data import (
+from swarm.training.data import (
     DOCUMENT_SEPARATOR,
     BatchSampler,
     Corpus,

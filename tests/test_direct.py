@@ -1,4 +1,4 @@
-"""Direct calls (swarm/direct.py): sealed frames, sessions bound to the caller p2pd authenticated, and what
+"""Direct calls (swarm/net/direct.py): sealed frames, sessions bound to the caller p2pd authenticated, and what
 a forged, altered or replayed connection gets (nothing reaches a handler)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hivemind.p2p import PeerID
 from hivemind.p2p.p2p_daemon_bindings.datastructures import PeerInfo
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.direct import (FRAME_HEADER, SALT_BYTES, SESSION_ID_BYTES, DirectBroken, DirectClient, DirectServer,
+from swarm.net.direct import (FRAME_HEADER, SALT_BYTES, SESSION_ID_BYTES, DirectBroken, DirectClient, DirectServer,
                           OversizedReply, Sealer, connection_key, listen_hosts)
-from swarm.rpc import RPCServicer, payload_timeout
-from swarm.wire import decode, encode
+from swarm.net.rpc import RPCServicer, payload_timeout
+from swarm.net.wire import decode, encode
 
 PEER = "QmdSCT8eDgt5Du6FbMUEWJHpNRDeYGrCsWDX2c6MTiTmW6"  # the server's peer id, as the caller knows it
 CALLER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # the caller's peer id, as p2pd told the server

@@ -14,18 +14,18 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import MSGPackSerializer, ValueWithExpiration
 
-import swarm.directory as directory_module
-import swarm.dht_io as dht_io
+import swarm.dht.directory as directory_module
+import swarm.dht.store as dht_io
 import swarm.policy.directory as layout
 from swarm import PROTOCOL_VERSION
-from swarm.directory import Directory
-from swarm.identity import load_or_create_identity
+from swarm.dht.directory import Directory
+from swarm.dht.identity import load_or_create_identity
 from swarm.policy.directory import (
     MAX_LEVEL, PROBE_REACH, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, probe_levels, level_for, shard_count,
     shard_of, shards_to_read, write_levels,
 )
-from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
-from swarm.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, shard_key, stage_key
+from swarm.net.addresses import MAX_MADDR_CHARS, MAX_MADDRS
+from swarm.dht.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, shard_key, stage_key
 
 # ---- the layout ----
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from swarm.finite import all_finite
+from swarm.model.finite import all_finite
 
 
 def _elementwise(t: torch.Tensor) -> bool:

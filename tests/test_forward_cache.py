@@ -9,8 +9,8 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from swarm.config import PeerConfig, RunConfig
-from swarm.model import ModelConfig
+from swarm.config.settings import PeerConfig, RunConfig
+from swarm.model.gpt import ModelConfig
 from swarm.server.forward_cache import ForwardCache
 from swarm.server.runner import StageRunner
 

@@ -15,10 +15,10 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.model import ModelConfig
-from swarm.policy.state_trust import StateClaim, StateSources, check_downloaded_state, trusted_state_sources
-from swarm.records import PeerRecord
+from swarm.config.settings import RunConfig
+from swarm.model.gpt import ModelConfig
+from swarm.policy.joining import StateClaim, StateSources, check_downloaded_state, trusted_state_sources
+from swarm.dht.records import PeerRecord
 from swarm.server.checkpoints import Checkpointer, checkpoint_path, load_checkpoint, save_checkpoint
 from swarm.server.faults import corrupt_state
 from swarm.server.joining import Joining

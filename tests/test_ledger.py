@@ -185,7 +185,7 @@ def test_step_members_replies_are_checked():
 
 
 def test_real_peer_records_drive_the_ledger():
-    from swarm.records import PeerRecord, update_contributed
+    from swarm.dht.records import PeerRecord, update_contributed
 
     base, bits = 0, 0
     for step, included in [(0, True), (1, False), (2, True)]:

@@ -11,13 +11,13 @@ import pytest
 
 from peers._common import describe_join, parameter_count
 from swarm import PROTOCOL_VERSION
-from swarm.config import RunConfig
-from swarm.config_loading import ConfigError
-from swarm.identity import load_or_create_identity
-from swarm.manifest import (ManifestError, SignedManifest, check_against_manifest, join_settings, peer_id_in_address,
+from swarm.config.settings import RunConfig
+from swarm.config.loading import ConfigError
+from swarm.dht.identity import load_or_create_identity
+from swarm.dht.manifest import (ManifestError, SignedManifest, check_against_manifest, join_settings, peer_id_in_address,
                             run_differences, run_hash, sign_manifest, verify_manifest)
-from swarm.model import FullModel, ModelConfig
-from swarm.optimizer import OptimizerConfig
+from swarm.model.gpt import FullModel, ModelConfig
+from swarm.training.optimizer import OptimizerConfig
 from tests.utils.processes import FAST_PEER, REPO, wait_for_log_lines
 
 TINY_RUN = dict(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)

@@ -15,14 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from peers._common import parameter_count
 from peers.peer import progress_line
-from swarm.config import PeerConfig, TrainerConfig
-from swarm.footprint import (COMPUTE_BYTES_PER_PARAMETER, OPTIMIZER_BYTES_PER_PARAMETER, expected_footprint,
+from swarm.config.settings import PeerConfig, TrainerConfig
+from swarm.model.footprint import (COMPUTE_BYTES_PER_PARAMETER, OPTIMIZER_BYTES_PER_PARAMETER, expected_footprint,
                              stage_parameter_counts)
 from swarm.metrics import (
     MetricsPortError, PeerSnapshot, TrainerSnapshot, count_ban, count_dht, count_rpc_bytes, method_label, new_registry,
     observe_allreduce, peer_families, start_metrics_server, trainer_families,
 )
-from swarm.model import ModelConfig, build_stage
+from swarm.model.gpt import ModelConfig, build_stage
 from tests.utils.processes import REPO
 
 TINY = ModelConfig(num_layers=3, hidden_size=32, num_heads=2, seq_len=16)

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from swarm.model import FullModel, ModelConfig, StageModule, build_stage, layer_ranges
+from swarm.model.gpt import FullModel, ModelConfig, StageModule, build_stage, layer_ranges
 
 CONFIG = ModelConfig(vocab_size=256, seq_len=16, num_layers=4, hidden_size=32, num_heads=4)
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from swarm import PROTOCOL_VERSION
-from swarm.dht_io import store_record
-from swarm.records import PeerRecord, stage_key
-from swarm.rpc import RemoteError
+from swarm.dht.store import store_record
+from swarm.dht.records import PeerRecord, stage_key
+from swarm.net.rpc import RemoteError
 from tests.utils.probe import Probe, online
 
 TARGET = 64

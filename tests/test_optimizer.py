@@ -4,9 +4,9 @@ and which settings are refused."""
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.model import FullModel, ModelConfig
-from swarm.optimizer import OptimizerConfig, batch_share, make_optimizer, optimizer_step
+from swarm.config.settings import RunConfig
+from swarm.model.gpt import FullModel, ModelConfig
+from swarm.training.optimizer import OptimizerConfig, batch_share, make_optimizer, optimizer_step
 from swarm.server.runner import StageRunner
 
 TINY = ModelConfig(vocab_size=256, seq_len=32, num_layers=2, hidden_size=32, num_heads=2)

@@ -7,7 +7,7 @@ import torch
 
 from swarm.client.ledger import Contribution, Ledger
 from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
-from swarm.model import ModelConfig
+from swarm.model.gpt import ModelConfig
 from swarm.policy.routing import Router
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from swarm.identity import load_or_create_identity
-from swarm.rpc import RemoteError, call_peer
+from swarm.dht.identity import load_or_create_identity
+from swarm.net.rpc import RemoteError, call_peer
 from tests.utils.processes import FAST_PEER
 
 

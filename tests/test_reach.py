@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from swarm.reach import MAX_MADDRS, AddressBook, announceable, dialable, is_routing_failure, listens_on_any
-from swarm.records import PeerRecord
+from swarm.net.addresses import MAX_MADDRS, announceable, dialable, listens_on_any
+from swarm.net.dialing import AddressBook, is_routing_failure
+from swarm.dht.records import PeerRecord
 
 PEER = "QmW6TmBSDQUbzWUhycHQXigWZWLYR9mrgrHTxb37X7TYZ7"
 

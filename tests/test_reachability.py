@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from hivemind.p2p import P2P, PeerID
 
-from swarm.config import NetworkConfig
-from swarm.listening import resolve_ports, wildcard_announcements
-from swarm.reach import circuit_maddr, dialable
-from swarm.reachability import (
+from swarm.config.settings import NetworkConfig
+from swarm.net.listening import resolve_ports, wildcard_announcements
+from swarm.net.addresses import circuit_maddr, dialable
+from swarm.net.reachability import (
     DialBackReport, check_reachability, decide, dial_back, needs_check, parse_report, relay_addresses, relayed_options,
 )
 

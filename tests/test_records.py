@@ -22,12 +22,12 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPublicKey
 
-from swarm.config import NetworkConfig
-from swarm.dht import start_dht
-from swarm.directory import fetch_stage_records
-from swarm.dht_io import fetch_records, store_record
-from swarm.identity import load_or_create_identity, peer_id_of
-from swarm.records import (
+from swarm.config.settings import NetworkConfig
+from swarm.dht.node import start_dht
+from swarm.dht.directory import fetch_stage_records
+from swarm.dht.store import fetch_records, store_record
+from swarm.dht.identity import load_or_create_identity, peer_id_of
+from swarm.dht.records import (
     CONTRIBUTION_WINDOW, MAX_COUNT, PeerRecord, TrainerRecord, check_record, key_id, manifest_key, parse_records,
     run_key_kinds, run_schema_validator, rewind_contributed, stage_key, trainers_key, update_contributed,
 )
@@ -227,7 +227,7 @@ def test_run_schema_accepts_only_owned_bounded_records():
 def test_an_unbounded_field_has_no_wire_form():
     from pydantic import Field
 
-    from swarm.records import _Record, _wire_model
+    from swarm.dht.records import _Record, _wire_model
 
     class Unbounded(_Record):
         count: int = Field(ge=0)

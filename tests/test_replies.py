@@ -19,11 +19,11 @@ from swarm.client.pipeline import (
     BadReply, PipelineClient, StageUnavailable, Unauthorized, check_reply, judge_failure,
 )
 from swarm.client.trainer import Trainer
-from swarm.config import RunConfig, TrainerConfig
-from swarm.model import ModelConfig
+from swarm.config.settings import RunConfig, TrainerConfig
+from swarm.model.gpt import ModelConfig
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
-from swarm.rpc import RemoteError
+from swarm.net.rpc import RemoteError
 
 MODEL = ModelConfig(vocab_size=16, seq_len=4, num_layers=2, hidden_size=8, num_heads=2)
 BATCH, SEQ, HIDDEN = 2, 4, 8

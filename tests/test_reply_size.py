@@ -11,11 +11,11 @@ from hivemind.p2p import PeerID
 
 from swarm.client.ledger import Ledger
 from swarm.client.pipeline import PipelineClient, encoded_float_bytes
-from swarm.config import RunConfig
-from swarm.model import ModelConfig
+from swarm.config.settings import RunConfig
+from swarm.model.gpt import ModelConfig
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
-from swarm.rpc import STREAM_THRESHOLD_BYTES, RPCServicer, call_peer, fits_unary_reply, goes_as_stream
+from swarm.net.rpc import STREAM_THRESHOLD_BYTES, RPCServicer, call_peer, fits_unary_reply, goes_as_stream
 from swarm.server.runner import StageRunner
 from tests.test_wire import FakeCaller, LoopbackP2P
 

@@ -10,8 +10,8 @@ from typing import List, Optional
 import pytest
 import torch
 
-from swarm.config import NetworkConfig
-from swarm.dht import start_dht
+from swarm.config.settings import NetworkConfig
+from swarm.dht.node import start_dht
 from swarm.policy.aggregation import AggregationConfig, robust_aggregate
 from swarm.server.averaging import RoundResult, StageAverager
 from swarm.server.faults import GradientFault
@@ -200,10 +200,10 @@ async def test_a_member_with_no_samples_ends_with_what_the_others_average(group_
 async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_of_clean(launcher, probe):
     """Live: stage 0 has four replicas, one sending its gradients x -1000 to every round. The honest replicas
     ban it, and the model they train ends as good as single-process training on the same samples."""
-    from swarm.data import load_corpus, validation_batches
-    from swarm.local_training import evaluate, train_single_process
-    from swarm.model import FullModel, ModelConfig
-    from swarm.optimizer import OptimizerConfig
+    from swarm.training.data import load_corpus, validation_batches
+    from swarm.training.single_process import evaluate, train_single_process
+    from swarm.model.gpt import FullModel, ModelConfig
+    from swarm.training.optimizer import OptimizerConfig
     from tests.utils.probe import online
 
     model_config = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)

@@ -12,7 +12,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
-from swarm.identity import load_or_create_identity
+from swarm.dht.identity import load_or_create_identity
 from swarm.policy.aggregation import AggregationConfig
 from swarm.server.robust_allreduce import (IncompleteRound, RobustRound, decision_is_confirmed, inputs_digest,
                                            sign_commitment)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.model import ModelConfig
+from swarm.config.settings import RunConfig
+from swarm.model.gpt import ModelConfig
 from swarm.server.runner import StageRunner, parameter_digest
 
 RUN = RunConfig(num_stages=2, target_batch_size=8,

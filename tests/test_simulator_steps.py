@@ -7,7 +7,7 @@ import pytest
 from swarm.policy.rebalance import RebalanceConfig
 from swarm.simulate import SimConfig, run_experiment
 from swarm.simulate.churn import generate_churn
-from swarm.simulate.config import StepSimConfig
+from swarm.config.simulation import StepSimConfig
 from swarm.simulate.engine import _Run
 from swarm.simulate.experiment import optimum_timeline
 from swarm.simulate.stepping import allreduce_time_s

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from swarm.config import RunConfig
-from swarm.model import ModelConfig
+from swarm.config.settings import RunConfig
+from swarm.model.gpt import ModelConfig
 from swarm.policy.routing import SETTLE_CALLS, Router
 from swarm.policy.slow_replicas import (
     SLOW_TOLERANCE, completion_times, probe_allowed, standby_verdict, worth_waiting_for,
@@ -181,7 +181,7 @@ def test_simulated_slow_peers_cost_nothing_with_the_policy_and_a_lot_without():
 def test_the_peer_watch_changes_its_mind_only_past_the_margins():
     from types import SimpleNamespace
 
-    from swarm.server.standby import StandbyWatch
+    from swarm.server.slow_replicas import StandbyWatch
 
     watch = StandbyWatch(SimpleNamespace(peer_id="p2"))
     assert watch.decide(_stage([50.0, 50.0, 1.0])).standby and watch.standing_by
@@ -196,7 +196,7 @@ def test_the_peer_watch_times_the_replica_again_when_stale_or_standing_by():
     import time
     from types import SimpleNamespace
 
-    from swarm.server.standby import RETIME_S, StandbyWatch
+    from swarm.server.slow_replicas import RETIME_S, StandbyWatch
 
     meter = ThroughputMeter(warmup_calls=0)
     watch = StandbyWatch(SimpleNamespace(peer_id="p2", runner=SimpleNamespace(meter=meter)))
@@ -318,7 +318,7 @@ def test_a_failed_speed_test_leaves_the_replica_serving_with_no_speed_announced(
     import asyncio
     from types import SimpleNamespace
 
-    from swarm.server.standby import StandbyWatch
+    from swarm.server.slow_replicas import StandbyWatch
 
     async def compute(fn, *args):
         raise RuntimeError("out of memory")

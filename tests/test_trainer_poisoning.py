@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from swarm.client.attacks import GRAD_OUTPUT_SCALE, TrainerAttack
-from swarm.config import RunConfig, TrainerConfig
-from swarm.model import ModelConfig
-from swarm.optimizer import OptimizerConfig
+from swarm.config.settings import RunConfig, TrainerConfig
+from swarm.model.gpt import ModelConfig
+from swarm.training.optimizer import OptimizerConfig
 from swarm.policy.poisoning import (
     ContributionGuard, PoisoningConfig, clip_bound, clip_factor, clip_reference, loss_outliers, lower_median,
     share_bound, trainer_of, warmup_done,

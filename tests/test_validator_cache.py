@@ -11,9 +11,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import CompositeValidator, DHTRecord
 from hivemind.utils import MSGPackSerializer, get_dht_time
 
-from swarm.identity import load_or_create_identity
-from swarm.records import PeerRecord, run_schema_validator, stage_key
-from swarm.validator_cache import RememberingValidator
+from swarm.dht.identity import load_or_create_identity
+from swarm.dht.records import PeerRecord, run_schema_validator, stage_key
+from swarm.dht.validator_cache import RememberingValidator
 
 RUN_ID, NUM_STAGES = "cache_run", 2
 

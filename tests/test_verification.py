@@ -24,18 +24,18 @@ from swarm import PROTOCOL_VERSION
 from swarm.client.ledger import Ledger
 from swarm.client.pipeline import PipelineClient
 from swarm.client.verification import ReplyVerifier
-from swarm.config import RunConfig
-from swarm.identity import load_or_create_identity
-from swarm.model import ModelConfig
+from swarm.config.settings import RunConfig
+from swarm.dht.identity import load_or_create_identity
+from swarm.model.gpt import ModelConfig
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.policy.verification import (
     Observation, VerificationBook, VerificationPolicy, blame_incomparable, compare, compared_keys, fingerprint,
     outvoted, params_step, request_fingerprint,
 )
-from swarm.records import AccusationRecord, accusations_key, run_schema_validator
+from swarm.dht.records import AccusationRecord, accusations_key, run_schema_validator
 from swarm.server.faults import corrupt_reply
-from swarm.rpc import RemoteError
+from swarm.net.rpc import RemoteError
 from swarm.server.runner import StageRunner
 from tests.utils.probe import online
 from tests.utils.processes import wait_for_log_lines

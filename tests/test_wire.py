@@ -17,9 +17,9 @@ import msgpack
 import pytest
 import torch
 
-from swarm.compression import CompressionError, compress, decompress
-from swarm.rpc import KINDS, REPLY_HEADER, REQUEST_HEADER, EmptyStreamReply, RemoteError, RPCServicer, call_peer
-from swarm.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, encode,
+from swarm.net.compression import CompressionError, compress, decompress
+from swarm.net.rpc import KINDS, REPLY_HEADER, REQUEST_HEADER, EmptyStreamReply, RemoteError, RPCServicer, call_peer
+from swarm.net.wire import (MAX_TENSOR_DIMS, MIN_COMPRESSED_ELEMENTS, WireError, decode, encode,
                         pack_compressed, pack_tensor, payload_size_hint, unpack_compressed, unpack_tensor)
 from tests.utils.fuzzing import mutate, random_bytes, tensor_lies
 from tests.utils.memory_stream import MemoryStreams
@@ -321,7 +321,7 @@ def run(coroutine):
 ])
 def test_handler_errors_map_to_kinds_and_only_bugs_log_a_traceback(error, kind, caplog):
     servicer = RPCServicer({"m": _raiser(error)})
-    with caplog.at_level(logging.DEBUG, logger="swarm.rpc"):
+    with caplog.at_level(logging.DEBUG, logger="swarm.net.rpc"):
         reply = decode(run(servicer._dispatch("m", encode({}), FakeCaller("c1"))))
     assert reply["kind"] == kind and reply["error"]
     tracebacks = [r for r in caplog.records if r.exc_info]
@@ -336,7 +336,7 @@ def test_handler_errors_map_to_kinds_and_only_bugs_log_a_traceback(error, kind, 
 ])
 def test_bad_input_is_answered_with_bad_request_and_no_traceback(method, payload, expected, caplog):
     servicer = RPCServicer({"echo": _echo})
-    with caplog.at_level(logging.DEBUG, logger="swarm.rpc"):
+    with caplog.at_level(logging.DEBUG, logger="swarm.net.rpc"):
         reply = decode(run(servicer._dispatch(method, payload, FakeCaller("c1"))))
     assert reply["kind"] == "bad_request" and expected in reply["error"], reply
     assert len(reply["error"]) < 1100
@@ -352,7 +352,7 @@ def test_well_formed_request_reaches_the_handler_with_the_caller_id():
 def test_unencodable_reply_is_an_internal_error(caplog):
     async def bad_reply(message, caller):
         return {"x": object()}
-    with caplog.at_level(logging.ERROR, logger="swarm.rpc"):
+    with caplog.at_level(logging.ERROR, logger="swarm.net.rpc"):
         reply = decode(run(RPCServicer({"m": bad_reply})._dispatch("m", encode({}), FakeCaller("c"))))
     assert reply["kind"] == "internal" and "unencodable" in reply["error"]
 
@@ -449,7 +449,7 @@ def test_unauthorized_callers_are_refused_and_logged_once_each(caplog):
             replies.append(decode(await servicer._dispatch("m", encode({}), FakeCaller(caller))))
         return replies
 
-    with caplog.at_level(logging.WARNING, logger="swarm.rpc"):
+    with caplog.at_level(logging.WARNING, logger="swarm.net.rpc"):
         replies = run(scenario())
     assert [r.get("kind") for r in replies] == ["unauthorized", "unauthorized", None, "unauthorized", "unauthorized"]
     assert calls == ["friend1"]
@@ -467,14 +467,14 @@ def test_reported_unauthorized_callers_are_bounded():
 def test_failing_authorize_is_an_internal_error_not_a_crash(caplog):
     def authorize(caller):
         raise RuntimeError("policy store down")
-    with caplog.at_level(logging.ERROR, logger="swarm.rpc"):
+    with caplog.at_level(logging.ERROR, logger="swarm.net.rpc"):
         reply = decode(run(RPCServicer({"m": _echo}, authorize=authorize)._dispatch("m", encode({}), FakeCaller("c"))))
     assert reply["kind"] == "internal"
 
 
 def test_kinds_are_documented():
-    import swarm.rpc
-    assert all(f"``{kind}``" in swarm.rpc.__doc__ for kind in KINDS)
+    import swarm.net.rpc
+    assert all(f"``{kind}``" in swarm.net.rpc.__doc__ for kind in KINDS)
 
 
 # ---- streams and call_peer, through a stand-in for P2P ----
@@ -609,7 +609,7 @@ def test_a_method_name_longer_than_the_limit_is_refused_from_the_header():
 
 
 def frame(method: str, payload: bytes, declared: Optional[int] = None) -> bytes:
-    """A binary stream request as swarm.rpc frames it; ``declared`` overrides the payload length it announces."""
+    """A binary stream request as swarm.net.rpc frames it; ``declared`` overrides the payload length it announces."""
     name = method.encode()
     return REQUEST_HEADER.pack(len(name), len(payload) if declared is None else declared) + name + payload
 

@@ -41,7 +41,7 @@ StepKey = Tuple[int, int]  # (stage, step)
 
 
 class ReplicaRecord(Protocol):
-    """What the ledger reads of a replica's DHT record (:class:`swarm.records.PeerRecord`)."""
+    """What the ledger reads of a replica's DHT record (:class:`swarm.dht.records.PeerRecord`)."""
 
     peer_id: str
     stage: int

@@ -35,14 +35,14 @@ from hivemind.utils import get_logger
 
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
-from swarm.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, num_blocks
-from swarm.finite import all_finite
+from swarm.net.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, num_blocks
+from swarm.model.finite import all_finite
 from swarm.metrics import count_ban
-from swarm.model import ModelConfig
+from swarm.model.gpt import ModelConfig
 from swarm.policy.routing import NoPeerAvailable, Router
 from swarm.policy.snapshot import PeerInfo
-from swarm.reach import is_routing_failure
-from swarm.rpc import RemoteError, call_peer
+from swarm.net.dialing import is_routing_failure
+from swarm.net.rpc import RemoteError, call_peer
 
 if TYPE_CHECKING:
     from swarm.client.verification import ReplyVerifier
@@ -51,7 +51,7 @@ __all__ = ["PipelineClient", "StageUnavailable", "Unauthorized", "BadReply", "Fa
            "judge_failure", "HIDDEN_DTYPE"]
 
 logger = get_logger(__name__)
-HIDDEN_DTYPE = torch.float32  # swarm.model builds every stage in torch's default dtype: hidden states are float32
+HIDDEN_DTYPE = torch.float32  # swarm.model.gpt builds every stage in torch's default dtype: hidden states are float32
 REPLY_SLACK_BYTES = 2**20  # bytes a reply may take beyond its tensors (keys, a loss, a step, an error message)
 
 

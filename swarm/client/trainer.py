@@ -25,26 +25,26 @@ from hivemind.p2p import PeerID
 from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
-from swarm.agreement import RunFilter, check_run_agreement
+from swarm.dht.agreement import RunFilter, check_run_agreement
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger, LedgerPolicy, StepKey, parse_step_members
 from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
 from swarm.client.verification import ReplyVerifier
-from swarm.config import TrainerConfig
-from swarm.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
-from swarm.dht import start_run_dht
-from swarm.directory import Directory
-from swarm.dht_io import fetch_records, store_record
-from swarm.metrics import MetricsServer, start_metrics_server, trainer_registry
+from swarm.config.settings import TrainerConfig
+from swarm.training.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
+from swarm.dht.node import start_run_dht
+from swarm.dht.directory import Directory
+from swarm.dht.store import fetch_records, store_record
+from swarm.metrics import MetricsServer, TrainerSnapshot, role_registry, start_metrics_server, trainer_families
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.policy.steps import clock_step
 from swarm.policy.verification import VerificationPolicy
-from swarm.records import (
+from swarm.dht.records import (
     AccusationRecord, PeerRecord, TrainerRecord, accusations_key, excluded_by, to_peer_infos, trainers_key,
 )
-from swarm.rpc import RemoteError, call_peer
+from swarm.net.rpc import RemoteError, call_peer
 
 __all__ = ["Trainer", "TrainerMetrics", "load_trainer_corpus"]
 
@@ -125,7 +125,7 @@ class Trainer:
 
     async def start(self) -> None:
         if self.config.metrics_port:  # first: a port in use fails the start before anything else began
-            self.metrics_server = start_metrics_server(self.config.metrics_port, trainer_registry(self),
+            self.metrics_server = start_metrics_server(self.config.metrics_port, role_registry(self.snapshot, trainer_families),
                                                        self.config.metrics_host)
         if self.dht is None:
             # a DHT client unless told otherwise: a trainer behind NAT could not answer other nodes' requests
@@ -162,6 +162,22 @@ class Trainer:
             return
         self._snapshot = to_peer_infos(self._routable(self.records), self.run.num_stages)
         self._settle(time.monotonic())
+
+    def snapshot(self) -> TrainerSnapshot:
+        """This trainer's figures now, for metrics (any thread: reads only)."""
+        m, run = self.metrics, self.run
+        records = list(self.records.values())
+        last = run.num_stages - 1
+        steps = [r.step for r in records if r.stage == last and r.state == "online"]
+        client = getattr(self, "client", None)  # made by start()
+        now = time.monotonic()
+        banned = 0 if client is None else sum(client.router.is_banned(r.peer_id, now) for r in records)
+        return TrainerSnapshot(
+            run_id=run.run_id, trainer_id=self.trainer_id if self.dht is not None else "",
+            samples_sent=m.samples_sent, micro_batches_failed=m.micro_batches_failed, resent=self.ledger.num_resent,
+            uncommitted=len(self.ledger), samples_committed=dict(self.ledger.samples_committed),
+            loss=m.recent_loss(), samples_per_s=m.samples_per_s, tokens_per_s=m.samples_per_s * run.model.seq_len,
+            global_step=max(steps, default=0), banned_peers=banned)
 
     def _routable(self, records: Dict[str, PeerRecord]) -> Dict[str, PeerRecord]:
         """The records minus replicas that most of their stage-mates banned from averaging: such a replica

@@ -22,13 +22,13 @@ from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
 from swarm.client.pipeline import PipelineClient
-from swarm.compression import FLOAT_DTYPES, CompressionError, compress, error_bound
+from swarm.net.compression import FLOAT_DTYPES, CompressionError, compress, error_bound
 from swarm.metrics import count_ban, count_verification
 from swarm.policy.verification import (
     Observation, VerificationBook, VerificationPolicy, blame_incomparable, compare, compared_keys, fingerprint,
     outvoted, params_step, request_fingerprint,
 )
-from swarm.records import AccusationRecord
+from swarm.dht.records import AccusationRecord
 
 __all__ = ["ReplyVerifier", "compression_slack"]
 
@@ -38,7 +38,7 @@ logger = get_logger(__name__)
 def compression_slack(replies: Sequence[Mapping[str, Any]], keys: Sequence[str], codec: str, block_size: int) -> float:
     """The relative L2 distance that compressing two of ``replies`` may add to the distance of their originals.
 
-    Each decoded tensor lies within :func:`swarm.compression.error_bound` of what its replica computed, so
+    Each decoded tensor lies within :func:`swarm.net.compression.error_bound` of what its replica computed, so
     two decoded replies differ by at most their originals' distance plus both bounds' norms: twice the
     largest bound relative to its tensor's norm. Recompressing a decoded tensor gives that bound again
     (its blocks keep their scales). 0 without compression; pure, no I/O."""

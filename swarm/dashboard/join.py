@@ -2,7 +2,7 @@
 
 A run with a manifest is joined with one address (``swarm peer --join ADDRESS``: the organiser's signed
 manifest supplies every run setting). Without one, a joiner must repeat every run setting on its command
-line; those come from a peer's ``settings`` RPC (see :mod:`swarm.agreement`) and only the settings that
+line; those come from a peer's ``settings`` RPC (see :mod:`swarm.dht.agreement`) and only the settings that
 differ from the defaults are written out. Pure functions, no I/O.
 """
 
@@ -12,8 +12,8 @@ import dataclasses
 import shlex
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-from swarm.config import RunConfig
-from swarm.manifest import run_settings
+from swarm.config.settings import RunConfig
+from swarm.dht.manifest import run_settings
 
 __all__ = ["JoinInfo", "join_commands", "run_flags", "majority_run_hash"]
 
@@ -47,7 +47,7 @@ def _flag_value(value: Any) -> str:
 
 def run_flags(run: RunConfig) -> List[str]:
     """``--run_id`` and ``--num_stages`` and every run setting that differs from its default, as flags
-    (every leaf of a config is a flag of the same name, see :mod:`swarm.config_loading`)."""
+    (every leaf of a config is a flag of the same name, see :mod:`swarm.config.loading`)."""
     defaults = dict(_leaves(run_settings(RunConfig())))
     flags: List[str] = ["--run_id", run.run_id, "--num_stages", str(run.num_stages)]
     for path, value in _leaves(run_settings(run)):

@@ -15,17 +15,17 @@ from hivemind import DHT
 from hivemind.p2p import PeerID
 from hivemind.utils import get_logger
 
-from swarm.config import RunConfig
-from swarm.config_loading import config_from_dict
+from swarm.config.settings import RunConfig
+from swarm.config.loading import config_from_dict
 from swarm.dashboard.history import History
 from swarm.dashboard.join import JoinInfo, majority_run_hash
 from swarm.dashboard.server import StateBox
 from swarm.dashboard.state import Snapshot, build_state, history_point
-from swarm.directory import Directory
-from swarm.dht_io import fetch_records
-from swarm.manifest import ManifestError, fetch_manifest, peer_id_in_address, run_hash
-from swarm.records import AccusationRecord, PeerRecord, TrainerRecord, accusations_key, trainers_key
-from swarm.rpc import call_peer
+from swarm.dht.directory import Directory
+from swarm.dht.store import fetch_records
+from swarm.dht.manifest import ManifestError, fetch_manifest, peer_id_in_address, run_hash
+from swarm.dht.records import AccusationRecord, PeerRecord, TrainerRecord, accusations_key, trainers_key
+from swarm.net.rpc import call_peer
 
 __all__ = ["DashboardPoller"]
 

@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from swarm.dashboard.history import History, HistoryPoint
 from swarm.dashboard.join import JoinInfo, join_commands
 from swarm.policy.aggregation import banned_by_majority
-from swarm.records import AccusationRecord, PeerRecord, TrainerRecord, excluded_by
+from swarm.dht.records import AccusationRecord, PeerRecord, TrainerRecord, excluded_by
 
 __all__ = ["STATE_VERSION", "Snapshot", "history_point", "build_state", "global_step"]
 

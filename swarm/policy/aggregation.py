@@ -29,7 +29,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from swarm.finite import all_finite
+from swarm.model.finite import all_finite
 
 __all__ = ["AggregationConfig", "Aggregate", "bounded_weights", "coordinate_median", "clip_radius",
            "centered_clip", "equivocators", "robust_aggregate", "banned_by_majority", "adds_nothing"]

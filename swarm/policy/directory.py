@@ -18,7 +18,7 @@ one read moves is bounded by the shard size whatever the swarm's size; a reader 
 ``2**b`` shards sees all of it within ``2**b / rotate`` polls.
 
 Pure functions, so that the traffic model (:mod:`swarm.simulate.dht_traffic`) and tests use the
-same layout as the live readers (:mod:`swarm.directory`).
+same layout as the live readers (:mod:`swarm.dht.directory`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ What the other replicas announce is a claim, not a fact: a record can be stale, 
   a replica applies the step alone (:func:`step_alone`), so a replica that announces itself online
   but never averages cannot stall the stage.
 
-The live peer (:mod:`swarm.server.stepping`) builds :class:`StageView` from its runner and the DHT;
+The live peer (:mod:`swarm.server.steps`) builds :class:`StageView` from its runner and the DHT;
 the simulator can build it from its own state. No clocks, no I/O.
 """
 

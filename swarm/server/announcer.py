@@ -16,8 +16,8 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from swarm import PROTOCOL_VERSION
-from swarm.records import PeerRecord
-from swarm.server.stepping import FAST_PERIOD_S
+from swarm.dht.records import PeerRecord
+from swarm.server.steps import FAST_PERIOD_S
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer

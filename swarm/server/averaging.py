@@ -38,12 +38,10 @@ from concurrent.futures import InvalidStateError
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
-from hivemind import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, deserialize_torch_tensor
-from hivemind.compression import serialization as hivemind_serialization
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
@@ -52,8 +50,9 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from hivemind.utils.crypto import RSAPrivateKey
 
-from swarm.auth import Allowlist
-from swarm.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
+from swarm.dht.auth import Allowlist
+from swarm.hivemind_private import PrivateAverager, register_decoder, wrap_join_request
+from swarm.net.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
                                compress, decompress)
 from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.server.faults import GradientFault
@@ -85,7 +84,7 @@ def step_group_bits(step: int) -> str:
 
 
 class BlockwiseInt8(CompressionBase):
-    """hivemind's codec interface over :func:`swarm.compression.compress` with ``int8``: one code per value
+    """hivemind's codec interface over :func:`swarm.net.compression.compress` with ``int8``: one code per value
     and one float32 scale per ``block_size`` values of each part. The protobuf carries the codes then the
     scales; the part's dtype (float32 or float64) comes back on extraction. Everything a sender wrote is
     checked (lengths, codes, finite scales and values) before a value is used."""
@@ -157,8 +156,7 @@ def butterfly_compression(codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> C
 def _register_decoder(codec: CompressionBase) -> None:
     """Make hivemind decode ``codec``'s tag with ``codec`` in this process: its receiver looks decoders up
     by tag, in one table of its own."""
-    name = runtime_pb2.CompressionType.Name(codec.compression_type)
-    hivemind_serialization._BASE_COMPRESSION_TYPES[name] = codec
+    register_decoder(runtime_pb2.CompressionType.Name(codec.compression_type), codec)
 
 
 class ReportedRoundFailures(logging.Filter):
@@ -192,7 +190,7 @@ def averaged_buffers(templates: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return [torch.zeros(tuple(t.shape), dtype=torch.float64, device="cpu") for t in templates]
 
 
-class StageAverager(DecentralizedAverager):
+class StageAverager(PrivateAverager):
     """Averages gradient-shaped tensors; serves ``state_fn()`` to replicas that download state.
 
     ``state_fn`` runs in the peer's main process (hivemind calls it from a helper thread there)
@@ -258,8 +256,8 @@ class StageAverager(DecentralizedAverager):
             raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
         if full_group_size is not None and full_group_size < min_group_size:
             raise ValueError(f"full_group_size ({full_group_size}) is below min_group_size ({min_group_size})")
-        self._outer_pipe.send(("_set_group_sizes", [], dict(
-            minimum=int(min_group_size), full=None if full_group_size is None else int(full_group_size))))
+        self.call_in_background("_set_group_sizes", minimum=int(min_group_size),
+                                full=None if full_group_size is None else int(full_group_size))
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
         mean_grads = self._fault.corrupt(list(mean_grads))  # an emulated attacker lies here; honest peers send theirs
         with self.get_tensors() as tensors:
@@ -285,7 +283,7 @@ class StageAverager(DecentralizedAverager):
 
     def ban(self, peer_ids: Iterable[str], duration_s: float) -> None:
         """Ban peers from this averager's groups for ``duration_s`` (e.g. those most of the stage banned)."""
-        self._outer_pipe.send(("_ban", [], dict(peer_ids=[str(p) for p in peer_ids], duration_s=float(duration_s))))
+        self.call_in_background("_ban", peer_ids=[str(p) for p in peer_ids], duration_s=float(duration_s))
 
     async def _ban(self, peer_ids: List[str], duration_s: float) -> None:
         until = time.monotonic() + duration_s
@@ -338,7 +336,7 @@ class StageAverager(DecentralizedAverager):
         except (OSError, ConnectionError) as e:
             logger.debug(f"p2pd was gone when the averager shut down: {type(e).__name__}: {e}")
             remaining = set()
-            for group in self._running_groups.values():
+            for group in self.running_groups.values():
                 remaining.update(group.finalize(cancel=True))
             await asyncio.wait_for(asyncio.gather(*remaining), timeout)
 
@@ -353,16 +351,16 @@ class StageAverager(DecentralizedAverager):
         a run picks its source from the stage's signed records, so this replica does not declare at all."""
         if self._aggregation is not None:
             return
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        key = f"{self.matchmaking.group_key_manager.prefix}.all_averagers"
         declared = False
         while True:
-            self._state_updated.clear()
+            self.state_updated.clear()
             expiration = get_dht_time() + self.declare_state_period
             if self.allow_state_sharing or declared:  # withdraw a declaration once sharing is switched off
                 declared = self.allow_state_sharing
                 await self._declare_once(key, self.state_sharing_priority if declared else None, expiration)
             try:
-                await asyncio.wait_for(self._state_updated.wait(), max(0.0, expiration - get_dht_time()))
+                await asyncio.wait_for(self.state_updated.wait(), max(0.0, expiration - get_dht_time()))
             except asyncio.TimeoutError:
                 pass
 
@@ -376,8 +374,7 @@ class StageAverager(DecentralizedAverager):
 
     async def _set_group_sizes(self, minimum: int, full: Optional[int]) -> None:
         # read by matchmaking: the minimum when its time for a round is up, the full size whenever a follower joins
-        self._matchmaking.min_group_size = minimum
-        self._matchmaking.target_group_size = full
+        self.set_group_sizes(minimum, full)
 
     async def _step(self, **kwargs: Any) -> None:
         self._follow_only_allowed_leaders()
@@ -386,25 +383,21 @@ class StageAverager(DecentralizedAverager):
     def _follow_only_allowed_leaders(self) -> None:
         """Make matchmaking skip leaders outside the allowlist or banned: joining one would only end in a
         group this averager refuses (see ``_aggregate_with_group``) or whose leader it does not trust."""
-        matchmaking = self._matchmaking
-        if getattr(matchmaking, "_swarm_guarded", False):
-            return
-        request_join_group = matchmaking._request_join_group
+        def allowed_leaders_only(request_join_group: Callable) -> Callable:
+            async def request_allowed_leader(leader: PeerID) -> Optional[GroupInfo]:
+                if not self._allowed(leader, "an offer to lead an averaging group"):
+                    return None
+                return await request_join_group(leader)
+            return request_allowed_leader
 
-        async def request_allowed_leader(leader: PeerID) -> Optional[GroupInfo]:
-            if not self._allowed(leader, "an offer to lead an averaging group"):
-                return None
-            return await request_join_group(leader)
-
-        matchmaking._request_join_group = request_allowed_leader
-        matchmaking._swarm_guarded = True
+        wrap_join_request(self.matchmaking, allowed_leaders_only)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any):
         outsiders = [peer for peer in group_info.peer_ids if not self._allowlist.allows(peer)]
         if outsiders:
             error = MatchmakingException(f"refusing to average with {[str(p) for p in outsiders]}: not in the allowlist")
             # groupmates' parts wait on this future: fail them now rather than at their timeout
-            pending = self._running_groups.get(group_info.group_id)
+            pending = self.running_groups.get(group_info.group_id)
             if pending is not None and not pending.done():
                 pending.set_exception(error)
                 pending.exception()  # retrieved here, so asyncio does not report it as never retrieved
@@ -431,13 +424,13 @@ class StageAverager(DecentralizedAverager):
         self._banned = {peer: until for peer, until in self._banned.items() if until > now}
         vector = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
         round_ = RobustRound(
-            stub_for=lambda peer: self.get_stub(self._p2p, peer, namespace=self.prefix), group_id=group_id,
+            stub_for=lambda peer: self.get_stub(self.background_p2p, peer, namespace=self.prefix), group_id=group_id,
             peer_ids=group_info.peer_ids, peer_id=self.peer_id, vector=vector, samples=float(kwargs.get("weight") or 0.0),
             key=self._signing_key, config=self._aggregation, banned=set(self._banned),
-            timeout=0.8 * (self._allreduce_timeout or 30.0), chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
+            timeout=0.8 * (self.allreduce_timeout or 30.0), chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
             max_samples=self._max_samples, send_override=self._fault.send_override(),
             compression=self._compression, block_size=self._block_size)
-        self._running_groups[group_id].set_result(round_)
+        self.running_groups[group_id].set_result(round_)
         try:
             outcome = await round_.run()
         except IncompleteRound as e:
@@ -466,8 +459,8 @@ class StageAverager(DecentralizedAverager):
         caller decides whether to keep them (unlike ``load_state_from_peers``, which asks whichever
         replica declares the highest priority)."""
         future = MPFuture()
-        self._outer_pipe.send(("_load_state_from", [], dict(
-            peer_ids=[str(peer_id) for peer_id in peer_ids], timeout=float(timeout), max_bytes=max_bytes, future=future)))
+        self.call_in_background("_load_state_from", peer_ids=[str(peer_id) for peer_id in peer_ids],
+                                timeout=float(timeout), max_bytes=max_bytes, future=future)
         return future.result(timeout=timeout * len(peer_ids) + 5) if wait else future
 
     async def _load_state_from(self, peer_ids: List[str], timeout: float, max_bytes: Optional[int],
@@ -502,7 +495,7 @@ class StageAverager(DecentralizedAverager):
     async def _download_state_of(self, peer: PeerID, max_bytes: Optional[int]) -> Optional[Tuple[Any, List[torch.Tensor]]]:
         """(metadata, tensors) as ``peer`` streams them, or None if it sent no metadata; a part that takes
         longer than ``next_chunk_timeout`` to come, or more than ``max_bytes`` in all, ends the download."""
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stub = self.get_stub(self.background_p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         metadata, tensors, parts, received = None, [], [], 0
         try:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 import torch
 from hivemind.utils import get_logger
 
-from swarm.finite import all_finite
+from swarm.model.finite import all_finite
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer

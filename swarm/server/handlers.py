@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
-from swarm.agreement import settings_reply
-from swarm.rpc import RemoteError
+from swarm.dht.agreement import settings_reply
+from swarm.net.rpc import RemoteError
 from swarm.server.faults import corrupt_reply
 
 if TYPE_CHECKING:

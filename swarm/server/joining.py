@@ -20,11 +20,11 @@ import torch
 from hivemind.utils import get_logger
 
 from swarm.policy.rebalance import choose_stage_for_new_peer, settle_join_choice
-from swarm.policy.state_trust import StateClaim, StateSources, StateVerdict, check_downloaded_state, trusted_state_sources
-from swarm.records import PeerRecord, to_peer_infos
+from swarm.policy.joining import StateClaim, StateSources, StateVerdict, check_downloaded_state, trusted_state_sources
+from swarm.dht.records import PeerRecord, to_peer_infos
 from swarm.server.checkpoints import non_finite_indices
 from swarm.server.runner import parameter_digest
-from swarm.server.stepping import DISTRUST_S
+from swarm.server.steps import DISTRUST_S
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
@@ -112,7 +112,7 @@ class Joining:
         ``max_attempts`` times: a replica catching up gives up soon when nobody serves the state).
 
         With the run's defences on, only from replicas announcing the state a majority of the stage
-        announces, and only a state that proves to be that one (:mod:`swarm.policy.state_trust`)."""
+        announces, and only a state that proves to be that one (:mod:`swarm.policy.joining`)."""
         self.moved_on = set()
         if self.peer.run.defences:
             return await self._download_trusted(max_attempts)

@@ -26,7 +26,7 @@ try:
 except ImportError:  # torch before 2.3 has no choice of attention kernel to make
     SDPBackend = sdpa_kernel = None
 
-from swarm.model import StageModule
+from swarm.model.gpt import StageModule
 
 __all__ = ["MergedBackward", "merged_backward", "predictive_entropy"]
 

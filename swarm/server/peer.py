@@ -21,17 +21,17 @@ import torch
 from hivemind import DHT
 from hivemind.utils import get_logger
 
-from swarm.agreement import RunFilter, check_run_agreement
-from swarm.config import PeerConfig
-from swarm.auth import Allowlist
-from swarm.dht import identity_of, start_run_dht
-from swarm.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
-from swarm.directory import Directory
-from swarm.metrics import MetricsServer, peer_registry, start_metrics_server
-from swarm.reach import Dialer, dialer_for
-from swarm.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
-from swarm.records import PeerRecord
-from swarm.rpc import NAMESPACE, RPCServicer, payload_timeout
+from swarm.dht.agreement import RunFilter, check_run_agreement
+from swarm.config.settings import PeerConfig
+from swarm.dht.auth import Allowlist
+from swarm.dht.node import identity_of, start_run_dht
+from swarm.net.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
+from swarm.dht.directory import Directory
+from swarm.metrics import MetricsServer, PeerSnapshot, peer_families, role_registry, start_metrics_server
+from swarm.net.dialing import Dialer, dialer_for
+from swarm.net.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
+from swarm.dht.records import PeerRecord
+from swarm.net.rpc import NAMESPACE, RPCServicer, payload_timeout
 from swarm.server.announcer import Announcer
 from swarm.server.averaging import StageAverager
 from swarm.server.batching import BackwardBatcher, ForwardBatcher
@@ -39,11 +39,11 @@ from swarm.server.checkpoints import Checkpointer
 from swarm.server.faults import STATE_FAULTS, corrupt_state
 from swarm.server.handlers import COMPRESSED_METHODS, StageHandlers
 from swarm.server.joining import Joining
-from swarm.server.reaching import reach_or_relay
-from swarm.server.rebalancing import rebalance_loop
+from swarm.server.reachability import reach_or_relay
+from swarm.server.rebalance import rebalance_loop
 from swarm.server.runner import StageRunner
-from swarm.server.standby import StandbyWatch
-from swarm.server.stepping import BAN_S, StepCoordinator
+from swarm.server.slow_replicas import StandbyWatch
+from swarm.server.steps import BAN_S, StepCoordinator
 
 __all__ = ["StagePeer"]
 
@@ -93,7 +93,7 @@ class StagePeer:
     async def start(self) -> None:
         torch.set_num_threads(self.config.num_threads)
         if self.config.metrics_port:  # first: a port in use fails the start before anything else began
-            self.metrics_server = start_metrics_server(self.config.metrics_port, peer_registry(self), self.config.metrics_host)
+            self.metrics_server = start_metrics_server(self.config.metrics_port, role_registry(self.snapshot, peer_families), self.config.metrics_host)
         owns_dht = self.dht is None
         if owns_dht:
             self.dht = start_run_dht(self.config.network, self.run)
@@ -180,6 +180,20 @@ class StagePeer:
             # replica declaring the highest priority (honest replicas declare 0)
             averager.state_sharing_priority = 1.0
         return averager
+
+    def snapshot(self) -> PeerSnapshot:
+        """This peer's figures now, for metrics and the progress line (any thread: reads only)."""
+        runner, steps = self.runner, self.steps
+        return PeerSnapshot(
+            run_id=self.run.run_id, peer_id=self.peer_id if self.dht is not None else "", state=self.state,
+            stage=self.stage, step=runner.step if runner else 0,
+            samples_processed=runner.samples_processed if runner else 0,
+            samples_applied=runner.samples_applied if runner else 0,
+            samples_pending=runner.samples_pending if runner else 0, queue_length=self.queued,
+            in_flight=self.in_flight, throughput=runner.meter.samples_per_s if runner else 0.0,
+            forwards=runner.num_forwards if runner else 0, recomputed=runner.num_recomputed if runner else 0,
+            forward_cache=runner.forward_cache.stats() if runner else {},
+            banned_replicas=len(steps.banned_now()) if steps is not None else 0)
 
     def shared_state(self):
         """The stage's state as this replica holds it (what its checkpoints store): (metadata, tensors)."""

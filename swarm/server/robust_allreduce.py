@@ -59,9 +59,9 @@ from hivemind.utils import MSGPackSerializer, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, anext
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from swarm.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
+from swarm.net.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
                                compress, decompress, num_blocks)
-from swarm.identity import peer_id_of
+from swarm.dht.identity import peer_id_of
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing, equivocators, robust_aggregate
 
 __all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "inputs_digest",
@@ -154,7 +154,7 @@ def _chunks(flat: torch.Tensor, chunk: int) -> List[runtime_pb2.Tensor]:
 
 def pack(vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
     """``vector`` (float32) ready to send: float32 chunks, or with ``codec`` the compressed bytes as uint8
-    chunks. Raises :class:`~swarm.compression.CompressionError` for values that cannot be compressed."""
+    chunks. Raises :class:`~swarm.net.compression.CompressionError` for values that cannot be compressed."""
     if codec == "none":
         return Packed(_chunks(vector, CHUNK_ELEMENTS), vector_hash(vector), vector)
     compressed = compress(vector, codec, block_size)
@@ -183,7 +183,7 @@ def _wire_length(size: int, codec: str, block_size: int) -> int:
 def unpack(parts: Sequence[torch.Tensor], size: int, sha256: str, codec: str = "none",
            block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """The float32 values of a received gradient, from the chunks :func:`pack` made, once their bytes match
-    the signed ``sha256``; ``ValueError`` (:class:`~swarm.compression.CompressionError` included) otherwise."""
+    the signed ``sha256``; ``ValueError`` (:class:`~swarm.net.compression.CompressionError` included) otherwise."""
     if codec == "none":
         vector = torch.cat(list(parts)) if parts else torch.empty(0)
         if vector_hash(vector) != sha256:
@@ -199,7 +199,7 @@ def unpack(parts: Sequence[torch.Tensor], size: int, sha256: str, codec: str = "
 class RobustRound:
     """The state of one round at one member: what it sent, received, and decided.
 
-    ``compression`` (one of :data:`swarm.compression.CODECS`, the same for the whole group) and
+    ``compression`` (one of :data:`swarm.net.compression.CODECS`, the same for the whole group) and
     ``block_size`` say how gradients travel. ``send_override`` lets an emulated attacker send another
     vector to some members (tests and benchmarks)."""
 

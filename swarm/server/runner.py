@@ -39,11 +39,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from hivemind.utils import get_logger
 
-from swarm.config import RunConfig
-from swarm.devices import synchronize
-from swarm.finite import all_finite
-from swarm.model import StageModule, build_stage
-from swarm.optimizer import batch_share, make_optimizer, optimizer_step
+from swarm.config.settings import RunConfig
+from swarm.model.devices import synchronize
+from swarm.model.finite import all_finite
+from swarm.model.gpt import StageModule, build_stage
+from swarm.training.optimizer import batch_share, make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
 from swarm.server.merged_backward import merged_backward, predictive_entropy
@@ -546,7 +546,7 @@ class StageRunner:
 
     def apply(self, mean_grads: Sequence[torch.Tensor], total_samples: int) -> None:
         """Step the optimizer with the swarm-wide mean gradient of the frozen step, at a learning rate scaled
-        by the share of the global batch the step applies (:func:`~swarm.optimizer.batch_share`)."""
+        by the share of the global batch the step applies (:func:`~swarm.training.optimizer.batch_share`)."""
         with self.lock:
             assert self.frozen is not None, "apply() needs a frozen step"
             if total_samples > 0:  # a step that got no samples here keeps the step count aligned, nothing more

@@ -6,7 +6,7 @@ partition), ``engine`` (events and the fluid flow model), ``experiment`` (rebala
 static against the optimum).
 """
 
-from swarm.simulate.config import SimConfig
+from swarm.config.simulation import SimConfig
 from swarm.simulate.experiment import optimum_timeline, run_experiment
 from swarm.simulate.optimum import PartitionResult, max_min_partition
 

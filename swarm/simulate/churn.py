@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from swarm.simulate.config import SimConfig
+from swarm.config.simulation import SimConfig
 from swarm.simulate.network import Hardware, draw_hardware
 
 __all__ = ["ChurnEvent", "generate_churn", "load_trace", "churn_for"]

@@ -1,6 +1,6 @@
 """A model of the control plane's DHT traffic: bytes per second per peer and the largest message, by swarm size.
 
-It follows the live layout and readers (:mod:`swarm.policy.directory`, :mod:`swarm.directory`): a
+It follows the live layout and readers (:mod:`swarm.policy.directory`, :mod:`swarm.dht.directory`): a
 stage's records are split into ``2**level`` shards of about ``SHARD_CAPACITY`` records. Every peer
 
 - re-stores its record every ``announce_period_s`` at each level it writes (``write_levels``; a store
@@ -38,8 +38,8 @@ class TrafficModel:
     # reads of the peer's own stage: live, PeerConfig.poll_period_s while the stage is near a global step (the
     # default here: the costlier case), announce_period_s far from one (policy.steps.seconds_between_reads)
     read_period_s: float = 0.25
-    probe_period_s: float = 10.0  # swarm.directory.PROBE_PERIOD_S
-    chains: int = 4  # swarm.directory.PROBE_CHAINS
+    probe_period_s: float = 10.0  # swarm.dht.directory.PROBE_PERIOD_S
+    chains: int = 4  # swarm.dht.directory.PROBE_CHAINS
     rotate: int = 1  # shards a read covers besides the reader's own
     replication: int = 5  # nodes a value is stored on (hivemind's num_replicas default)
     hop_bytes: float = 600.0  # request + reply of one lookup hop without values

@@ -51,7 +51,7 @@ from swarm.policy.rebalance import choose_stage_for_new_peer, next_period_s, pla
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.simulate.churn import ChurnEvent
-from swarm.simulate.config import JOIN_POLICY_NAMES, SimConfig
+from swarm.config.simulation import JOIN_POLICY_NAMES, SimConfig
 from swarm.simulate.network import Hardware, effective_units, hop_time_s, trainer_cap
 from swarm.simulate.stepping import StepReport, StepSim
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 from swarm.simulate.churn import ChurnEvent, churn_for
-from swarm.simulate.config import SimConfig
+from swarm.config.simulation import SimConfig
 from swarm.simulate.engine import RunResult, simulate_run
 from swarm.simulate.network import effective_units
 from swarm.simulate.optimum import MaxMinTracker

@@ -15,7 +15,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from swarm.simulate.config import SimConfig
+from swarm.config.simulation import SimConfig
 
 __all__ = ["Hardware", "draw_hardware", "effective_units", "trainer_cap", "hop_time_s"]
 

@@ -22,7 +22,7 @@ from typing import Dict, List, Sequence
 
 from swarm.policy.slow_replicas import SLOW_TOLERANCE
 from swarm.simulate.churn import ChurnEvent
-from swarm.simulate.config import SimConfig, StepSimConfig
+from swarm.config.simulation import SimConfig, StepSimConfig
 from swarm.simulate.engine import simulate_run
 from swarm.simulate.network import Hardware
 

@@ -49,7 +49,7 @@ from swarm.policy.steps import (
     near_threshold, needs_resync, others_pending, others_reserved, overclaimers, rounds_before_stepping_alone,
     step_alone, step_is_due, trusted_others,
 )
-from swarm.simulate.config import StepSimConfig
+from swarm.config.simulation import StepSimConfig
 
 __all__ = ["StepSim", "StepReport", "allreduce_time_s"]
 

@@ -26,8 +26,8 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from swarm.rpc import KINDS, NAMESPACE, RPCServicer, _call_stream
-from swarm.wire import WireError, decode, encode
+from swarm.net.rpc import KINDS, NAMESPACE, RPCServicer, _call_stream
+from swarm.net.wire import WireError, decode, encode
 
 __all__ = ["FuzzCase", "FuzzInputs", "FuzzStats", "fuzz", "store_junk", "random_bytes", "mutate", "tensor_lies",
            "rss_mb"]

@@ -1,5 +1,5 @@
 """A binary stream between a caller and an in-process RPCServicer, with no p2pd: what test doubles of P2P
-hand to swarm.rpc for ``call_binary_stream_handler``."""
+hand to swarm.net.rpc for ``call_binary_stream_handler``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 from types import SimpleNamespace
 from typing import Callable, List, Optional, Set, Tuple
 
-from swarm.rpc import REPLY_HEADER, RPCServicer
+from swarm.net.rpc import REPLY_HEADER, RPCServicer
 
 Tamper = Callable[[List[bytes]], List[bytes]]
 

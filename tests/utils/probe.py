@@ -8,13 +8,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from hivemind.p2p import PeerID
 
-from swarm.auth import authorizer_for
-from swarm.config import NetworkConfig
-from swarm.dht import start_dht
-from swarm.directory import Directory
-from swarm.identity import Identity
-from swarm.records import PeerRecord
-from swarm.rpc import call_peer
+from swarm.dht.auth import authorizer_for
+from swarm.config.settings import NetworkConfig
+from swarm.dht.node import start_dht
+from swarm.dht.directory import Directory
+from swarm.dht.identity import Identity
+from swarm.dht.records import PeerRecord
+from swarm.net.rpc import call_peer
 
 
 class Probe:

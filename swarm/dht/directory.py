@@ -20,14 +20,14 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 
-from swarm.dht import get_many_in_dht, identity_of
-from swarm.dht_io import parse_value, store_record, warn_once
+from swarm.dht.node import get_many_in_dht, identity_of
+from swarm.dht.store import parse_value, store_record, warn_once
 from swarm.metrics import count_dht
 from swarm.policy.directory import (
     level_for, probe_due, probe_estimate, probe_levels, shard_of, shards_to_read, write_levels,
 )
-from swarm.reach import address_book
-from swarm.records import PeerRecord, shard_key
+from swarm.net.dialing import address_book
+from swarm.dht.records import PeerRecord, shard_key
 
 __all__ = ["Directory", "fetch_stage_records"]
 

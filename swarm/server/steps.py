@@ -23,7 +23,7 @@ from swarm.policy.steps import (
     rounds_before_stepping_alone, seconds_between_reads, stage_mates, step_alone, step_is_due, trusted_others,
     unborne_step_claims,
 )
-from swarm.records import (
+from swarm.dht.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
 )
 

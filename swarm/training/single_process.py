@@ -1,8 +1,8 @@
 """Single-process training of the staged model: the baseline the swarm is measured against.
 
 It mirrors what the swarm does as closely as one process can: the model is the same chain
-of :class:`~swarm.model.StageModule` built from the same seed, each stage has its own
-optimizer made by :func:`~swarm.optimizer.make_optimizer` (the function the stage peers use), and gradient
+of :class:`~swarm.model.gpt.StageModule` built from the same seed, each stage has its own
+optimizer made by :func:`~swarm.training.optimizer.make_optimizer` (the function the stage peers use), and gradient
 clipping, when enabled, is per stage, because a stage peer only sees its own gradients.
 """
 
@@ -12,9 +12,9 @@ from typing import Iterable
 
 import torch
 
-from swarm.data import BatchSampler, Corpus
-from swarm.model import FullModel, ModelConfig
-from swarm.optimizer import OptimizerConfig, make_optimizer, optimizer_step
+from swarm.training.data import BatchSampler, Corpus
+from swarm.model.gpt import FullModel, ModelConfig
+from swarm.training.optimizer import OptimizerConfig, make_optimizer, optimizer_step
 
 __all__ = ["evaluate", "train_single_process"]
 

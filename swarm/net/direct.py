@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import os
 import struct
 import time
@@ -42,8 +41,9 @@ from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.metrics import count_rpc_bytes, method_label
-from swarm.offload import run_sized
-from swarm.reach import address_book, dialable, host_of, is_circuit
+from swarm.net.offload import run_sized
+from swarm.net.addresses import dialable, ip_hosts, is_circuit, is_wildcard
+from swarm.net.dialing import address_book
 
 __all__ = ["DIRECT_SESSION_METHOD", "DirectServer", "DirectClient", "DirectBroken", "OversizedReply",
            "direct_client_for", "listen_hosts", "connection_key", "Sealer"]
@@ -67,7 +67,6 @@ MAX_CONNECTIONS = 512  # connections a server holds open at once
 MAX_IDLE_PER_PEER = 8  # idle connections a caller keeps per peer
 SWEEP_PERIOD_S = 30.0  # how often a caller closes idle connections too old to reuse
 _CONTEXT = b"swarm direct transfer v1"
-_WILDCARDS = ("0.0.0.0", "::")
 
 
 class DirectBroken(ConnectionError):
@@ -108,16 +107,8 @@ class Sealer:
 def listen_hosts(host_maddrs: Iterable[str]) -> List[str]:
     """The IP hosts a process's p2pd listens on (a wildcard alone if there is one), where its direct
     port listens too; DNS names and relay addresses are left out."""
-    hosts: List[str] = []
-    for text in host_maddrs:
-        try:
-            host = host_of(Multiaddr(str(text)))
-        except Exception:  # multiaddr raises several unrelated types on garbage
-            continue
-        if host is not None and _is_ip(host) and host not in hosts:
-            hosts.append(host)
-    wildcards = [h for h in hosts if h in _WILDCARDS]
-    return wildcards or hosts
+    hosts = ip_hosts(host_maddrs)
+    return [h for h in hosts if is_wildcard(h)] or hosts
 
 
 # ---- serving ----
@@ -131,7 +122,7 @@ class _Session:
 class DirectServer:
     """Serves the requests of authenticated callers on a TCP port with ``servicer.answer``.
 
-    ``servicer`` is an :class:`swarm.rpc.RPCServicer`; :meth:`session` is the handler of
+    ``servicer`` is an :class:`swarm.net.rpc.RPCServicer`; :meth:`session` is the handler of
     :data:`DIRECT_SESSION_METHOD` that it serves through p2pd."""
 
     def __init__(self, servicer: Any, hosts: Sequence[str], port: int, payload_timeout: Callable[[int], float]):
@@ -355,12 +346,7 @@ class DirectClient:
         except Exception as e:
             logger.debug(f"listing p2pd's connections failed: {type(e).__name__}: {e}")
         maddrs.extend(dialable(address_book.get(peer_id)))
-        hosts: List[str] = []
-        for maddr in maddrs:
-            host = None if is_circuit(maddr) else host_of(maddr)
-            if host is not None and _is_ip(host) and host not in _WILDCARDS and host not in hosts:
-                hosts.append(host)
-        return hosts
+        return [h for h in ip_hosts(str(m) for m in maddrs if not is_circuit(m)) if not is_wildcard(h)]
 
     @staticmethod
     async def _connect(channel: _Channel) -> _Connection:
@@ -446,14 +432,6 @@ class DirectClient:
 
 class OversizedReply(ValueError):
     """A direct reply announced larger than the caller accepts."""
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 _CLIENTS: "weakref.WeakKeyDictionary[P2P, DirectClient]" = weakref.WeakKeyDictionary()

@@ -30,8 +30,8 @@ from hivemind.utils import MSGPackSerializer, get_logger
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, ValidationError
 from pydantic.fields import FieldInfo
 
-from swarm.identity import peer_id_of
-from swarm.reach import MAX_MADDR_CHARS, MAX_MADDRS
+from swarm.dht.identity import peer_id_of
+from swarm.net.addresses import MAX_MADDR_CHARS, MAX_MADDRS
 from swarm.policy.directory import MAX_LEVEL, shard_count
 from swarm.policy.snapshot import PeerInfo
 
@@ -140,7 +140,7 @@ class PeerRecord(_Record):
     # stage-mates this replica banned from averaging (for lying), comma-separated, most recent first: trainers
     # stop sending work to a replica that most of its stage-mates banned
     excluded: str = Field(default="", max_length=MAX_EXCLUDED * (MAX_ID_LENGTH + 1))
-    # where to reach this peer: its visible multiaddrs, comma-separated (callers connect p2pd to them, see swarm.reach)
+    # where to reach this peer: its visible multiaddrs, comma-separated (callers connect p2pd to them, see swarm.net.addresses)
     maddrs: str = Field(default="", max_length=MAX_MADDRS * (MAX_MADDR_CHARS + 1))
 
     @property

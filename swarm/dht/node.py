@@ -2,10 +2,10 @@
 
 Every node runs the same validators: ``RSASignatureValidator`` with the node's own identity key
 (it signs what this node stores under its ``[owner:...]`` subkey and checks everyone else's
-signatures) and, once the run is known, the run's schema (``swarm.records.run_schema_validator``).
+signatures) and, once the run is known, the run's schema (``swarm.dht.records.run_schema_validator``).
 hivemind applies them both when a node is asked to store a value and when a lookup returns one,
 so a node that stores junk in its own storage cannot make an honest reader accept it. A record
-accepted once is not verified again while it stays unchanged (:mod:`swarm.validator_cache`).
+accepted once is not verified again while it stays unchanged (:mod:`swarm.dht.validator_cache`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from hivemind.dht.node import DHTNode
 from hivemind.utils import get_logger
 from hivemind.utils.auth import AuthorizerBase
 
-from swarm.config import NetworkConfig, RunConfig
-from swarm.identity import Identity, key_file_for_start, load_or_create_identity
-from swarm.listening import listen_and_announce
-from swarm.records import run_schema_validator
-from swarm.validator_cache import RememberingValidator
+from swarm.config.settings import NetworkConfig, RunConfig
+from swarm.dht.identity import Identity, key_file_for_start, load_or_create_identity
+from swarm.hivemind_private import wrap_dht_protocol
+from swarm.net.listening import listen_and_announce
+from swarm.dht.records import run_schema_validator
+from swarm.dht.validator_cache import RememberingValidator
 
 __all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
 
@@ -46,9 +47,9 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     under a run key with a later expiration hides the records beneath it from this node.
 
     ``p2p_options``: further settings of its p2pd (relaying, forced reachability: see
-    :mod:`swarm.reachability`). ``/tcp/0`` in ``network.announce_maddrs`` is made concrete,
+    :mod:`swarm.net.reachability`). ``/tcp/0`` in ``network.announce_maddrs`` is made concrete,
     and a wildcard listener announces its interfaces' addresses but loopback and container bridges
-    (:func:`swarm.listening.listen_and_announce`); ``dht.listen_maddrs`` holds the addresses it listens on."""
+    (:func:`swarm.net.listening.listen_and_announce`); ``dht.listen_maddrs`` holds the addresses it listens on."""
     if run_id is not None and num_stages is None:
         raise ValueError("num_stages is required with run_id: the run's schema has one key per stage")
     if identity is None:
@@ -82,7 +83,7 @@ def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = Fa
     """The DHT of a participant of ``run``: its identity (``identity``, else loaded from or created at
     ``network.identity_path``), the run's record schema, and in a private run the allowlist authorizer
     (without which the run's other nodes refuse to talk to it)."""
-    from swarm.auth import authorizer_for
+    from swarm.dht.auth import authorizer_for
 
     identity = identity or load_or_create_identity(network.identity_path)
     return start_dht(network, client_mode, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
@@ -93,7 +94,7 @@ def identity_of(dht: DHT) -> Identity:
     """The identity a DHT was started with; records can be signed and read only through such a DHT."""
     identity = getattr(dht, "identity", None)
     if not isinstance(identity, Identity):
-        raise ValueError("this DHT has no signing identity: start it with swarm.dht.start_dht")
+        raise ValueError("this DHT has no signing identity: start it with swarm.dht.node.start_dht")
     return identity
 
 
@@ -109,8 +110,6 @@ async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:
     answer, so hivemind blacklists it with its backoff (longer each time). hivemind itself only drops
     such values, so a node serving a megabyte of junk under a run key would be asked again on every
     lookup of every reader."""
-    protocol = node.protocol
-    validate_record, validate_dictionary, call_find = protocol._validate_record, protocol._validate_dictionary, protocol.call_find
     reported: set = set()
 
     def noting(validate):
@@ -122,23 +121,24 @@ async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:
             return valid
         return checked
 
-    async def call_find_refusing_junk(peer_id, keys):
-        token = _REFUSED_IN_ANSWER.set([])
-        try:
-            response = await call_find(peer_id, keys)
-            refused = _REFUSED_IN_ANSWER.get()
-        finally:
-            _REFUSED_IN_ANSWER.reset(token)
-        if not refused:
-            return response
-        if peer_id not in reported and len(reported) < 10_000:
-            reported.add(peer_id)
-            logger.warning(f"DHT node {peer_id} answered a lookup with {len(refused)} invalid values; not asking it "
-                           f"for a while (longer each time it does so again)")
-        return None  # as if it had not answered: the caller blacklists it
+    def refusing_junk(call_find):
+        async def call_find_refusing_junk(peer_id, keys):
+            token = _REFUSED_IN_ANSWER.set([])
+            try:
+                response = await call_find(peer_id, keys)
+                refused = _REFUSED_IN_ANSWER.get()
+            finally:
+                _REFUSED_IN_ANSWER.reset(token)
+            if not refused:
+                return response
+            if peer_id not in reported and len(reported) < 10_000:
+                reported.add(peer_id)
+                logger.warning(f"DHT node {peer_id} answered a lookup with {len(refused)} invalid values; not asking "
+                               f"it for a while (longer each time it does so again)")
+            return None  # as if it had not answered: the caller blacklists it
+        return call_find_refusing_junk
 
-    protocol._validate_record, protocol._validate_dictionary = noting(validate_record), noting(validate_dictionary)
-    protocol.call_find = call_find_refusing_junk
+    wrap_dht_protocol(node.protocol, wrap_validation=noting, wrap_call_find=refusing_junk)
 
 
 async def blacklisted_peers(_dht: DHT, node: DHTNode) -> List[str]:

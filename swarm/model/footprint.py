@@ -1,6 +1,6 @@
 """How many parameters each stage of a run holds and how much memory a peer serving it needs.
 
-Pure arithmetic over a :class:`~swarm.model.ModelConfig` (blocks are sized on the meta device, so
+Pure arithmetic over a :class:`~swarm.model.gpt.ModelConfig` (blocks are sized on the meta device, so
 nothing is allocated): what a volunteer is told before it joins, so that it can tell whether its
 device fits the stage.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Union
 
-from swarm.devices import parse_device
-from swarm.model import Block, ModelConfig, layer_ranges
+from swarm.model.devices import parse_device
+from swarm.model.gpt import Block, ModelConfig, layer_ranges
 
 __all__ = ["StageFootprint", "stage_parameter_counts", "stage_footprint", "expected_footprint",
            "COMPUTE_BYTES_PER_PARAMETER", "OPTIMIZER_BYTES_PER_PARAMETER", "PROCESS_BASE_BYTES"]
@@ -51,7 +51,7 @@ def _block_parameters(model: ModelConfig) -> int:
 
 def stage_parameter_counts(model: ModelConfig, num_stages: int) -> List[int]:
     """Parameters of every stage: its blocks, plus the embeddings at the first and the final
-    LayerNorm and LM head at the last (the layout of :class:`swarm.model.StageModule`)."""
+    LayerNorm and LM head at the last (the layout of :class:`swarm.model.gpt.StageModule`)."""
     per_block, h = _block_parameters(model), model.hidden_size
     counts = [(end - start) * per_block for start, end in layer_ranges(model.num_layers, num_stages, model.stage_layers)]
     counts[0] += (model.vocab_size + model.seq_len) * h

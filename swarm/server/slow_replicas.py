@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from hivemind.utils import get_logger
 
 from swarm.policy.slow_replicas import SLOW_TOLERANCE, StandbyVerdict, standby_verdict
-from swarm.records import to_peer_infos
+from swarm.dht.records import to_peer_infos
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer

@@ -1,6 +1,6 @@
 """Request/response calls between swarm processes over hivemind's P2P.
 
-Messages are msgpack bytes (see :mod:`swarm.wire`) inside hivemind's ``ExpertRequest``
+Messages are msgpack bytes (see :mod:`swarm.net.wire`) inside hivemind's ``ExpertRequest``
 protobuf for a unary call. A call goes unary when its request and its expected reply are small, and
 as a binary stream when either is above ``STREAM_THRESHOLD_BYTES``: p2pd caps unary messages at
 4 MiB, and it carries a stream's bytes for far less CPU than a unary call's. Errors travel as a
@@ -13,14 +13,14 @@ a server refuses an oversized or over-budget request before reading it, and a ca
 reply. The caller closes the stream once it holds the whole reply, and the server keeps its end
 open until then (at most ``LINGER_S``): a server that closed right after writing lost the tail of
 about one reply in 1,000 inside p2pd, a lingering one none in 12,000.
-Payloads above ``swarm.offload.OFF_LOOP_BYTES`` are encoded and decoded on a small thread pool, so one
+Payloads above ``swarm.net.offload.OFF_LOOP_BYTES`` are encoded and decoded on a small thread pool, so one
 large message does not stall every other request of the process.
 
 A stage's forward and backward calls (``direct`` of :func:`call_peer`) go around p2pd, over a sealed
-TCP connection to the peer's direct port (:mod:`swarm.direct`), once one is open; through p2pd when
+TCP connection to the peer's direct port (:mod:`swarm.net.direct`), once one is open; through p2pd when
 none can be, or when it breaks. The server answers them with the same admission and handlers.
 
-Lossy compression (see :mod:`swarm.compression`) is chosen per call: a caller passes
+Lossy compression (see :mod:`swarm.net.compression`) is chosen per call: a caller passes
 ``compression`` to :func:`call_peer`, a servicer compresses the replies of the methods named in
 ``compress_replies``. Whether a call goes unary or streamed is decided on the encoded, hence
 compressed, size; whether encoding is worth a thread, on the tensors' uncompressed size, which is
@@ -53,13 +53,13 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
-from swarm.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
-from swarm.direct import (DIRECT_SESSION_METHOD, SESSION_TIMEOUT_S, DirectBroken, DirectClient, OversizedReply,
+from swarm.net.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
+from swarm.net.direct import (DIRECT_SESSION_METHOD, SESSION_TIMEOUT_S, DirectBroken, DirectClient, OversizedReply,
                           direct_client_for)
 from swarm.metrics import count_rpc_bytes, method_label
-from swarm.offload import run_sized
-from swarm.reach import dialer_for, is_routing_failure
-from swarm.wire import MAX_MESSAGE_BYTES, WireError, decode, encode, payload_size_hint
+from swarm.net.offload import run_sized
+from swarm.net.dialing import dialer_for, is_routing_failure
+from swarm.net.wire import MAX_MESSAGE_BYTES, WireError, decode, encode, payload_size_hint
 
 __all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE",
            "UNARY_REPLY_LIMIT_BYTES", "fits_unary_reply", "goes_as_stream", "EmptyStreamReply"]
@@ -444,7 +444,7 @@ def _direct_client(p2p: P2P) -> DirectClient:
 
 async def _call_direct(p2p: P2P, peer_id: PeerID, method: str, payload: bytes,
                        max_reply_bytes: int) -> Optional[bytes]:
-    """The reply from the peer's direct port (:mod:`swarm.direct`); None if no connection to it is open yet
+    """The reply from the peer's direct port (:mod:`swarm.net.direct`); None if no connection to it is open yet
     (one is being opened meanwhile) or the connection broke: then the call goes through p2pd."""
     direct = _direct_client(p2p)
     channel = direct.channel(str(peer_id))
@@ -487,7 +487,7 @@ async def call_peer(
     """Call ``method`` on ``peer_id`` and return its decoded reply, within ``timeout`` seconds.
 
     A call with ``direct`` (a stage's forward or backward) goes straight to the peer's direct port once
-    a connection to it is open (:mod:`swarm.direct`; the first such call starts opening one). Otherwise,
+    a connection to it is open (:mod:`swarm.net.direct`; the first such call starts opening one). Otherwise,
     a call whose request, or whose reply expected to take ``expected_reply_bytes`` (encoded), is large
     goes as a stream (:func:`goes_as_stream`), and any other unary, repeated as a stream only if the
     server answers 'use_stream' (its reply turned out larger than a unary call carries).

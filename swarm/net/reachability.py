@@ -23,7 +23,9 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.reach import MAX_MADDRS, MAX_MADDR_CHARS, announceable, dialable, is_circuit
+from swarm.hivemind_private import daemon_connect
+from swarm.net.addresses import (MAX_MADDRS, MAX_MADDR_CHARS, announceable, dialable, host_of, is_circuit, is_loopback,
+                                listens_on_loopback_only, address_peer_id, tcp_port)
 
 __all__ = ["DIAL_BACK_METHOD", "DialBackReport", "Verdict", "decide", "needs_check", "parse_report",
            "dial_back_handler", "dial_back", "check_reachability", "relay_addresses", "relayed_options",
@@ -40,7 +42,6 @@ MAX_CONCURRENT_CHECKS = 4  # dial-backs one helper runs at once (each starts a p
 BUSY_RETRIES = 3  # times a caller asks a busy helper again
 BUSY_BACKOFF_S = 2.0  # seconds before the first retry, doubled for each next one
 MAX_REASON_CHARS = 200  # one failed address's reason, as reported
-_LOOPBACK_HOSTS = ("/ip4/127.", "/ip6/::1/")
 
 # p2pd settings of a process that others use as a relay: libp2p runs the relay service only on a host it
 # believes publicly reachable, and with a handful of peers AutoNAT may never conclude that
@@ -72,19 +73,11 @@ class Verdict:
 
 def needs_check(host_maddrs: Sequence[str]) -> bool:
     """Whether a dial-back check means anything: not for a process that listens on loopback only."""
-    return any(not str(m).startswith(_LOOPBACK_HOSTS) for m in host_maddrs)
-
-
-def _tcp_port(maddr: str) -> Optional[int]:
-    try:
-        port = Multiaddr(maddr).value_for_protocol("tcp")
-    except Exception:  # no tcp part, or not a multiaddr
-        return None
-    return int(port) if port and str(port).isdigit() and int(port) > 0 else None
+    return not listens_on_loopback_only(host_maddrs)
 
 
 def _ports(maddrs: Sequence[str]) -> Tuple[int, ...]:
-    return tuple(sorted({port for port in map(_tcp_port, maddrs) if port is not None}))
+    return tuple(sorted({port for port in map(tcp_port, maddrs) if port}))
 
 
 def decide(announced: Sequence[str], host_maddrs: Sequence[str], report: Optional[DialBackReport],
@@ -96,7 +89,7 @@ def decide(announced: Sequence[str], host_maddrs: Sequence[str], report: Optiona
         return Verdict("local", f"listening on loopback only ({', '.join(host_maddrs)}): only processes on this "
                                 f"machine can reach it; to serve other machines listen with "
                                 f"--host_maddrs /ip4/0.0.0.0/tcp/PORT")
-    fixed = all(_tcp_port(str(m)) for m in host_maddrs if "/tcp/" in str(m))
+    fixed = all(tcp_port(m) for m in host_maddrs if "/tcp/" in str(m))
     ports = _ports(host_maddrs) or _ports(announced)
     if fixed and ports:
         open_hint = (f"open TCP port {', '.join(map(str, ports))} to this machine (forward it on your router or "
@@ -168,7 +161,7 @@ async def dial_back(peer_id: str, maddrs: Sequence[str], dial_timeout_s: float =
     p2p = await P2P.create(use_relay=False, auto_nat=False, nat_port_map=False, startup_timeout=DAEMON_START_TIMEOUT_S)
     try:
         try:
-            await asyncio.wait_for(p2p._client.connect(target, [dialable([t])[0] for t in asked]), dial_timeout_s)
+            await asyncio.wait_for(daemon_connect(p2p, target, [dialable([t])[0] for t in asked]), dial_timeout_s)
         except Exception as e:  # refused, unroutable, timed out, another peer id answered
             return {"reachable": [], "failed": {**failed, **{text: _reason(text, e, dial_timeout_s) for text in asked}}}
         used = {str(addr) for info in await asyncio.wait_for(p2p.list_peers(), dial_timeout_s)
@@ -180,9 +173,9 @@ async def dial_back(peer_id: str, maddrs: Sequence[str], dial_timeout_s: float =
 
 
 def dial_back_handler():
-    """An :class:`swarm.rpc.RPCServicer` handler that dials its caller back. At most
+    """An :class:`swarm.net.rpc.RPCServicer` handler that dials its caller back. At most
     :data:`MAX_CONCURRENT_CHECKS` at a time (each starts a p2pd): a caller beyond is told 'busy'."""
-    from swarm.rpc import RemoteError
+    from swarm.net.rpc import RemoteError
 
     running = [0]
 
@@ -201,20 +194,13 @@ def dial_back_handler():
 
 # ---- the caller's side ----
 
-def _peer_id_of(address: str) -> Optional[str]:
-    try:
-        return str(Multiaddr(address).value_for_protocol("p2p")) or None
-    except Exception:  # not a multiaddr with a peer id: not a helper
-        return None
-
-
 async def check_reachability(p2p: P2P, helpers: Sequence[str], announced: Sequence[str]) -> Tuple[Optional[DialBackReport], str]:
     """Ask the peers at ``helpers`` (multiaddrs ending in /p2p/<id>), one after the other, to dial ``announced``
     back; the first answer's report, or (None, why nobody answered)."""
-    from swarm.rpc import RemoteError, call_peer
+    from swarm.net.rpc import RemoteError, call_peer
 
     own, errors = str(p2p.peer_id), []
-    candidates = [pid for pid in dict.fromkeys(map(_peer_id_of, helpers)) if pid and pid != own][:MAX_HELPERS]
+    candidates = [pid for pid in dict.fromkeys(map(address_peer_id, helpers)) if pid and pid != own][:MAX_HELPERS]
     for helper in candidates:
         for attempt in range(BUSY_RETRIES + 1):
             try:
@@ -246,7 +232,7 @@ async def own_verdict(p2p: P2P, host_maddrs: Sequence[str], announced: Sequence[
 def relay_addresses(relays: Sequence[str]) -> List[str]:
     """The addresses a relayed peer announces: ``<relay>/p2p-circuit`` for each relay multiaddr (with its
     peer id), loopback relays left out, at most :data:`MAX_MADDRS`."""
-    circuits = [f"{r}/p2p-circuit" for r in relays if _peer_id_of(r) and not str(r).startswith(_LOOPBACK_HOSTS)]
+    circuits = [f"{r}/p2p-circuit" for r in relays if address_peer_id(r) and not is_loopback(host_of(Multiaddr(r)))]
     return announceable(circuits, listens_on_any=True)
 
 

@@ -229,9 +229,9 @@ class AllowlistAuthorizer(AuthorizerBase):
 
 
 def authorizer_for(allowlist_peer_ids: Iterable[str], identity) -> Optional[AllowlistAuthorizer]:
-    """The DHT authorizer of a run with this allowlist for ``identity`` (a :class:`swarm.identity.Identity`),
+    """The DHT authorizer of a run with this allowlist for ``identity`` (a :class:`swarm.dht.identity.Identity`),
     or None for an open run, whose DHT stays unauthenticated as before."""
-    from swarm.identity import peer_id_of
+    from swarm.dht.identity import peer_id_of
 
     allowlist = Allowlist.of(allowlist_peer_ids)
     if allowlist.is_open:

@@ -1,7 +1,7 @@
 """A starting peer finds out whether other machines can reach it, says so, and serves through a relay if not.
 
 Runs once in :meth:`swarm.server.peer.StagePeer.start`, on the peer's event loop, before it chooses a stage:
-the dial-back check (:mod:`swarm.reachability`), one log line with the verdict in plain words, and, for an
+the dial-back check (:mod:`swarm.net.reachability`), one log line with the verdict in plain words, and, for an
 unreachable peer, a restart of its DHT as a DHT client whose p2pd reserves a slot at the run's entry points
 (the relays); its record then announces the relay addresses instead of its own.
 """
@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 
 from hivemind.utils import get_logger
 
-from swarm.dht import identity_of, start_run_dht
-from swarm.reach import announceable, listens_on_any
-from swarm.reachability import Verdict, own_verdict, relay_addresses, relayed_options
+from swarm.dht.node import identity_of, start_run_dht
+from swarm.net.addresses import announceable, listens_on_any
+from swarm.net.reachability import Verdict, own_verdict, relay_addresses, relayed_options
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from swarm.finite import all_finite
+from swarm.model.finite import all_finite
 
 __all__ = [
     "MAX_BATCH_SIZE",

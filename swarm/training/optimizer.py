@@ -1,7 +1,7 @@
 """The optimizer every stage of a run uses: AdamW with per-stage gradient clipping.
 
 Stage peers (:mod:`swarm.server.runner`) and single-process training
-(:mod:`swarm.local_training`) build and step it through the same two functions, so the swarm
+(:mod:`swarm.training.single_process`) build and step it through the same two functions, so the swarm
 and its single-process baseline apply the same update.
 """
 

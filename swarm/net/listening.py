@@ -12,23 +12,16 @@ from __future__ import annotations
 import socket
 import struct
 import sys
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 from hivemind.utils.multiaddr import Multiaddr
 
-from swarm.reach import announceable
+from swarm.net.addresses import announceable, tcp_port
 
 __all__ = ["resolve_ports", "wildcard_announcements", "listen_and_announce", "free_tcp_port", "interface_addresses"]
 
 _IPV4_ANY = "/ip4/0.0.0.0/"
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
-
-
-def _port_of(maddr: str) -> Optional[str]:
-    try:
-        return Multiaddr(maddr).value_for_protocol("tcp")
-    except Exception:  # no tcp part
-        return None
 
 
 def _with_port(maddr: str, port: int) -> str:
@@ -49,7 +42,7 @@ def free_tcp_port(host_maddr: str) -> int:
 
 
 def _fixed(host_maddrs: Sequence[str], free_port: Callable[[str], int]) -> List[str]:
-    return [_with_port(m, free_port(m)) if _port_of(m) == "0" else m for m in host_maddrs]
+    return [_with_port(m, free_port(m)) if tcp_port(m) == 0 else m for m in host_maddrs]
 
 
 def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
@@ -59,16 +52,16 @@ def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
     address on port 0 gets a port from ``free_port`` first, so that both name the same one. Without port 0
     in ``announce_maddrs`` both lists come back unchanged. ``ValueError`` when that port is ambiguous."""
     host, announce = list(host_maddrs), list(announce_maddrs)
-    if not any(_port_of(m) == "0" for m in announce):
+    if not any(tcp_port(m) == 0 for m in announce):
         return host, announce
     host = _fixed(host, free_port)
-    ports = {_port_of(m) for m in host} - {None}
+    ports = {tcp_port(m) for m in host} - {None}
     if len(ports) != 1:
         raise ValueError(f"announce_maddrs {announce} use port 0 (the port this process listens on), but "
                          f"host_maddrs {list(host_maddrs)} listen on {len(ports) or 'no'} TCP ports: "
                          f"name the port to announce")
     port = int(ports.pop())
-    return host, [_with_port(m, port) if _port_of(m) == "0" else m for m in announce]
+    return host, [_with_port(m, port) if tcp_port(m) == 0 else m for m in announce]
 
 
 def wildcard_announcements(host_maddrs: Sequence[str], interfaces: Sequence[str]) -> List[str]:

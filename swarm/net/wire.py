@@ -7,7 +7,7 @@ integers (which cannot overflow) and capped before they are multiplied, so no sh
 the byte count wrap around and slip past the length check.
 
 Float tensors may travel compressed (float16, or int8 with a scale per block; see
-:mod:`swarm.compression`) under their own tag, and always decode to float32. The receiver
+:mod:`swarm.net.compression`) under their own tag, and always decode to float32. The receiver
 checks every field of such an entry before it decodes a byte of it.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Dict, Mapping
 import msgpack
 import torch
 
-from swarm.compression import (DEFAULT_BLOCK_SIZE, FLOAT_DTYPES, Compressed, CompressionError, check_block_size,
+from swarm.net.compression import (DEFAULT_BLOCK_SIZE, FLOAT_DTYPES, Compressed, CompressionError, check_block_size,
                                check_codec, compress, decompress)
 
 __all__ = ["WireError", "MAX_MESSAGE_BYTES", "MIN_COMPRESSED_ELEMENTS", "encode", "decode",
@@ -165,12 +165,12 @@ def _from_wire(obj: Any, depth: int = 0) -> Any:
 
 
 def encode(message: Mapping[str, Any], compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
-    """Serialize a map of plain values, tensors and :class:`~swarm.compression.Compressed` tensors.
+    """Serialize a map of plain values, tensors and :class:`~swarm.net.compression.Compressed` tensors.
 
     With ``compression`` ``"fp16"`` or ``"int8"``, float tensors of at least
     :data:`MIN_COMPRESSED_ELEMENTS` elements are sent compressed (the receiver gets float32);
     integer tensors such as token ids and targets, and small tensors, are sent exactly. Raises
-    :class:`~swarm.compression.CompressionError` for a tensor that cannot be compressed
+    :class:`~swarm.net.compression.CompressionError` for a tensor that cannot be compressed
     faithfully (NaN, inf, float16 overflow).
     """
     check_codec(compression)

@@ -3,7 +3,7 @@
 Writes go under the writer's own ``[owner:<public key>]`` subkey; the DHT process signs them
 (its ``RSASignatureValidator`` holds the same key) and every node that stores or returns them
 checks the signature. Reads keep only records whose id is the peer id of the key that signed
-them (``swarm.records.check_record``); everything else is dropped with a warning, once per culprit.
+them (``swarm.dht.records.check_record``); everything else is dropped with a warning, once per culprit.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 from pydantic import BaseModel
 
-from swarm.dht import identity_of
+from swarm.dht.node import identity_of
 from swarm.metrics import count_dht
-from swarm.records import parse_entries, record_id_of
+from swarm.dht.records import parse_entries, record_id_of
 
 __all__ = ["fetch_records", "store_record", "parse_value", "warn_once"]
 

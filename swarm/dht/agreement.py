@@ -17,10 +17,10 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_logger
 
 from swarm import PROTOCOL_VERSION
-from swarm.config import RunConfig
-from swarm.config_loading import ConfigError, config_from_dict
-from swarm.manifest import run_differences, run_hash, run_settings
-from swarm.rpc import call_peer
+from swarm.config.settings import RunConfig
+from swarm.config.loading import ConfigError, config_from_dict
+from swarm.dht.manifest import run_differences, run_hash, run_settings
+from swarm.net.rpc import call_peer
 
 __all__ = ["settings_reply", "same_run", "check_run_agreement", "RunFilter"]
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from hivemind.utils import get_logger
 
 from swarm.policy.rebalance import decide_move, next_period_s
-from swarm.records import to_peer_infos
+from swarm.dht.records import to_peer_infos
 
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer

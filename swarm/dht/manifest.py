@@ -1,6 +1,6 @@
 """The organiser's signed statement of a run's settings, and how joiners fetch and check it.
 
-A run is defined by its :class:`~swarm.config.RunConfig`. The organiser signs those settings
+A run is defined by its :class:`~swarm.config.settings.RunConfig`. The organiser signs those settings
 with the RSA key that is also its libp2p identity, so a volunteer who knows only the
 organiser's address (which ends in ``/p2p/<peer id>``) can check that the settings it received
 come from that peer and nobody else: the signer's public key must hash to that peer id.
@@ -25,14 +25,14 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPublicKey
-from hivemind.utils.multiaddr import Multiaddr
 
 from swarm import PROTOCOL_VERSION
-from swarm.config import RunConfig
-from swarm.config_loading import ConfigError, config_from_dict
-from swarm.identity import Identity, owner_subkey, peer_id_of
-from swarm.records import MAX_MANIFEST_PAYLOAD_BYTES, manifest_key
-from swarm.rpc import Handler, call_peer
+from swarm.config.settings import RunConfig
+from swarm.config.loading import ConfigError, config_from_dict
+from swarm.dht.identity import Identity, owner_subkey, peer_id_of
+from swarm.dht.records import MAX_MANIFEST_PAYLOAD_BYTES, manifest_key
+from swarm.net.addresses import address_peer_id
+from swarm.net.rpc import Handler, call_peer
 
 __all__ = [
     "ManifestError",
@@ -263,7 +263,7 @@ async def fetch_manifest(dht: Any, run_id: str, organiser_peer_id: str, timeout:
 
 
 def manifest_handler(signed: SignedManifest) -> Handler:
-    """An :class:`swarm.rpc.RPCServicer` handler that replies with ``signed`` to anyone who asks:
+    """An :class:`swarm.net.rpc.RPCServicer` handler that replies with ``signed`` to anyone who asks:
     the settings of a run are not secret, and a refused volunteer learns why from them."""
 
     async def handle(message: Dict[str, Any], caller: str) -> Dict[str, bytes]:
@@ -274,12 +274,9 @@ def manifest_handler(signed: SignedManifest) -> Handler:
 
 def peer_id_in_address(address: str) -> str:
     """The base58 peer id after ``/p2p/`` in a multiaddr; :class:`ManifestError` if there is none."""
-    try:
-        peer_id = Multiaddr(address).value_for_protocol("p2p")
-    except Exception as e:  # multiaddr raises several types for malformed addresses
-        raise ManifestError(f"{address!r} is not a multiaddr ending in /p2p/<peer id>: {e}") from None
+    peer_id = address_peer_id(address)
     if not peer_id:
-        raise ManifestError(f"{address!r} names no peer: it must end in /p2p/<peer id>")
+        raise ManifestError(f"{address!r} is not a multiaddr ending in /p2p/<peer id>")
     return str(peer_id)
 
 

@@ -29,7 +29,7 @@ from typing import Tuple
 
 import torch
 
-from swarm.finite import all_finite
+from swarm.model.finite import all_finite
 
 __all__ = ["CODECS", "DEFAULT_BLOCK_SIZE", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE", "CompressionError", "Compressed",
            "check_codec", "check_block_size", "compress", "decompress", "error_bound", "num_blocks"]

@@ -1,7 +1,7 @@
 """Config dataclasses of the swarm's roles: the run they join, the network, a peer, a trainer.
 
 One dataclass per role; the CLI maps each leaf field 1:1 onto a flag (see
-:mod:`swarm.config_loading`), YAML files mirror the nesting. Comments after fields are their
+:mod:`swarm.config.loading`), YAML files mirror the nesting. Comments after fields are their
 help text and carry units. Defaults work on loopback.
 """
 
@@ -12,13 +12,13 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from swarm.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from swarm.devices import parse_device
-from swarm.model import ModelConfig
-from swarm.optimizer import OptimizerConfig
+from swarm.net.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from swarm.model.devices import parse_device
+from swarm.model.gpt import ModelConfig
+from swarm.training.optimizer import OptimizerConfig
 from swarm.policy.aggregation import AggregationConfig
 from swarm.policy.rebalance import RebalanceConfig
-from swarm.records import validate_run_id
+from swarm.dht.records import validate_run_id
 
 __all__ = ["RunConfig", "NetworkConfig", "PeerConfig", "TrainerConfig", "BootstrapConfig"]
 
@@ -92,7 +92,7 @@ class NetworkConfig:
         _positive("startup_timeout_s", self.startup_timeout_s)
         if not self.host_maddrs:
             raise ValueError("host_maddrs must name at least one address to listen on")
-        from swarm.listening import resolve_ports
+        from swarm.net.listening import resolve_ports
 
         ports = iter(range(1, 65536))  # distinct stand-ins for the ports port-0 listeners will get
         resolve_ports(self.host_maddrs, self.announce_maddrs, lambda maddr: next(ports))  # ValueError if ambiguous

@@ -1,6 +1,6 @@
 """Record validators that remember which records they accepted, so that an unchanged record is checked once.
 
-A node checks every record it is asked to store and every record a lookup returns (see :mod:`swarm.dht`):
+A node checks every record it is asked to store and every record a lookup returns (see :mod:`swarm.dht.node`):
 an RSA signature and the run's schema (a pydantic model) per subkey, about 0.25 ms of CPU a record. A
 replica reads its stage up to several times a second near a step, each read asks several DHT nodes, and
 each answer holds a whole shard of the stage's directory, so the same records, which change about once
