@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo lint test bench clean
 
 venv: $(VENV)/.installed
 
@@ -22,12 +22,18 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/swarm demo --config examples/demo.yaml
 
-test: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=20 tests
+# ruff and mypy read their settings from pyproject.toml; mypy keeps a cache in .mypy_cache, so a second run is quick
+lint: venv
+	$(BIN)/ruff check swarm peers
+	$(BIN)/python tools/mypy_baseline.py
+
+# lint first: a type error fails in seconds, not after the live tests; -rs names every skipped test and why
+test: lint
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --durations=20 tests
 
 bench: venv
 	$(BIN)/python benchmarks/pipeline.py
 	$(BIN)/python benchmarks/planner.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -23,11 +23,13 @@ import torch
 from _swarm import LOOPBACK, TINY_MODEL, LiveSwarm, online
 from swarm.training.data import load_corpus, validation_batches
 from swarm.training.single_process import evaluate
-from swarm.model.gpt import FullModel, ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from swarm.dht.records import PeerRecord
 from tests.utils.probe import Probe
 
 __all__ = ["Attack", "ATTACKS", "AttackSwarm", "LogLine", "read_log", "trainer_losses", "tail_mean", "first_exclusion",
+           "first_warning", "excludes",
            "honest_accounted", "tiny_model_config", "heldout_batches", "initial_loss", "heldout_losses", "finite_or_none"]
 
 Batches = List[Tuple[torch.Tensor, torch.Tensor]]
@@ -134,24 +136,44 @@ def tail_mean(series: Sequence[Tuple[float, float]], start: float, end: float, f
     return sum(values) / len(values) if values else None
 
 
-_EXCLUSION = re.compile(r"banning peer|excluding|refus", re.IGNORECASE)
+# What an honest role logs when it bans or refuses a peer (see :func:`excludes`); ``{id}`` is the attacker's id.
+_EXCLUSIONS = (
+    r"banning peer {id}\b",  # a trainer bans a replica (a bad reply, outvoted, or checks it could not compare)
+    r"excluding {id} from averaging",  # a replica bans a stage-mate from averaging
+    r"refus\w* .*\b{id}\b",  # its state, its calls or its DHT traffic refused
+    r"down-weighting trainer {id} to 0(?:\.0+)?(?![\d.])",  # a last-stage replica gives its micro-batches no weight
+)
 
 
-def first_exclusion(paths: Sequence[Path], attacker_id: str, any_warning: bool) -> Optional[Tuple[LogLine, str]]:
-    """The earliest WARN (or worse) line of the honest roles' logs that excludes the attacker, and the log's name.
+def excludes(message: str, attacker_id: str) -> bool:
+    """Whether a log line says that the attacker is banned or refused: not merely named in a warning. A clipped
+    micro-batch, a down-weighting above zero, claims ignored for a while, or a failed call are not exclusions."""
+    ident = re.escape(attacker_id)
+    return any(re.search(pattern.format(id=ident), message, re.IGNORECASE) for pattern in _EXCLUSIONS)
 
-    A line excludes it when it names ``attacker_id`` and says so ('banning peer', 'excluding', 'refus...');
-    with ``any_warning`` (a trainer attacker, judged by the peers) any warning naming it counts."""
+
+def _first(paths: Sequence[Path], attacker_id: str, matches) -> Optional[Tuple[LogLine, str]]:
     best: Optional[Tuple[LogLine, str]] = None
     for path in paths:
         for line in read_log(path):
-            if line.level in ("INFO", "DEBUG") or attacker_id not in line.message:
+            if line.level in ("INFO", "DEBUG") or attacker_id not in line.message or not matches(line.message):
                 continue
-            if any_warning or _EXCLUSION.search(line.message):
-                if best is None or line.t < best[0].t:
-                    best = (line, path.stem)
-                break
+            if best is None or line.t < best[0].t:
+                best = (line, path.stem)
+            break  # a log's lines are in time order: its first match is its earliest
     return best
+
+
+def first_exclusion(paths: Sequence[Path], attacker_id: str) -> Optional[Tuple[LogLine, str]]:
+    """The earliest WARN (or worse) line of the honest roles' logs that bans or refuses the attacker
+    (:func:`excludes`), and the log's name; None if no honest role ever did."""
+    return _first(paths, attacker_id, lambda message: excludes(message, attacker_id))
+
+
+def first_warning(paths: Sequence[Path], attacker_id: str) -> Optional[Tuple[LogLine, str]]:
+    """The earliest WARN (or worse) line of the honest roles' logs that names the attacker, whatever it says:
+    when the attacker was first noticed, which may be long before (or without) its exclusion."""
+    return _first(paths, attacker_id, lambda message: True)
 
 
 # ---- accounting ----

@@ -106,7 +106,8 @@ class LiveSwarm:
                 "--host_maddrs", LOOPBACK]
 
     def peer(self, stage: Any, name: str, extra: Sequence[str] = ()) -> RoleProcess:
-        return self._start("peer", ["--stage", str(stage), *self._common(), *self.peer_args, *extra],
+        role = "faulty_peer" if "--fault" in extra else "peer"  # an emulated fault is installed from outside
+        return self._start(role, ["--stage", str(stage), *self._common(), *self.peer_args, *extra],
                            f"{self.run_id}-{name}")
 
     def trainer(self, name: str, extra: Sequence[str] = ()) -> RoleProcess:

@@ -58,10 +58,13 @@ Measured, per run:
   attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
                    and a trainer was training; a trainer: once it was ready; ``poisoned_state``: once the
                    joiner was started, or 0 if a resyncing honest replica refused its state even earlier) to
-                   the first exclusion in an honest role's log: a trainer's "banning peer <id>", a replica's
-                   WARN "excluding <id> from averaging", a WARN refusing the attacker's state; for trainer
-                   attacks the first WARN line of an honest peer naming the attacker trainer. null if never.
-                   ``attacker_excluded_after_online_s`` counts from the attacker's own ready line instead.
+                   the first line of an honest role's log that bans or refuses it: a trainer's "banning peer
+                   <id>", a replica's WARN "excluding <id> from averaging", a WARN refusing its state, calls or
+                   DHT traffic, or a last-stage replica down-weighting the attacker trainer to 0. A warning that
+                   only names it (a clipped micro-batch, a down-weighting above 0, claims ignored for a while) is
+                   not an exclusion: an attack that is only bounded stays null ("never excluded").
+                   ``attacker_excluded_after_online_s`` counts from the attacker's own ready line instead;
+                   ``attacker_first_warning_after_s`` from the same moment to the first warning naming it at all.
                    Resolution: log stamps (ms) and polling (0.2 s).
 Per attack: ``loss_*`` and ``heldout_loss_*`` of the clean (defences on; the repeat of median held-out loss), defended
 and undefended runs, ``loss_ratio_defended_vs_clean``, ``throughput_ratio_defended_vs_clean`` (defended attack
@@ -98,7 +101,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _roles import cpu_seconds_by_kind  # noqa: E402
 from _swarm import FAST_PEER, TINY_MODEL, counts, install_signal_handlers, log, make_log_dir  # noqa: E402
-from _attacks_roles import (ATTACKS, Attack, AttackSwarm, finite_or_none, first_exclusion, heldout_batches,  # noqa: E402
+from _records import add_record_arguments, write_record  # noqa: E402
+from _attacks_roles import (ATTACKS, Attack, AttackSwarm, finite_or_none, first_exclusion, first_warning,  # noqa: E402
+                            heldout_batches,
                             heldout_losses, honest_accounted, initial_loss, read_log, tail_mean,
                             tiny_model_config, trainer_losses)
 from peers.launcher import RoleProcess  # noqa: E402
@@ -129,6 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.003, help="learning rate (as tests/test_convergence.py)")
     p.add_argument("--settle_timeout_s", type=float, default=20.0, help="after training, wait at most this long for the accounting to settle")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    add_record_arguments(p)
     args = p.parse_args(argv)
     unknown = [a for a in args.attacks.split(",") if a not in ATTACKS]
     if unknown:
@@ -295,21 +301,30 @@ def exclusion(run: Run) -> Dict[str, Any]:
         honest += [t for t in run.trainers if t is not run.attacker]
     if run.joiner is not None:
         honest.append(run.joiner)
-    found = first_exclusion([r.process.log_path for r in honest], run.attacker.peer_id, any_warning=by_trainer)
-    if run.spec.attack.late_joiner:
-        # any replica that downloads the stage's state is its victim: a resyncing one may refuse its state before
-        # the joiner starts, and was then its first victim, refusing it as the download ended (0 s, not negative)
-        reference = None if run.joiner_started_at is None or found is None else min(run.joiner_started_at, found[0].t)
-    elif by_trainer:
-        reference = run.attacker.ready_at
-    else:
-        reference = max(run.attacker.ready_at, run.train_start)
-    if found is None or reference is None:
-        return {"attacker_excluded_after_s": None, "attacker_excluded_after_online_s": None}
-    line, name = found
-    return {"attacker_excluded_after_s": round(line.t - reference, 2),
-            "attacker_excluded_after_online_s": round(line.t - run.attacker.ready_at, 2),
-            "exclusion_evidence": f"{name}: {line.message[:200]}"}
+    paths = [r.process.log_path for r in honest]
+    found, warned = first_exclusion(paths, run.attacker.peer_id), first_warning(paths, run.attacker.peer_id)
+
+    def since(line) -> Optional[float]:
+        """Seconds from the moment the attacker could first act to ``line`` (see the module's docstring)."""
+        if run.spec.attack.late_joiner:
+            # any replica that downloads the stage's state is its victim: a resyncing one may refuse its state before
+            # the joiner starts, and was then its first victim, refusing it as the download ended (0 s, not negative)
+            start = None if run.joiner_started_at is None else min(run.joiner_started_at, line.t)
+        else:
+            start = run.attacker.ready_at if by_trainer else max(run.attacker.ready_at, run.train_start)
+        return None if start is None else round(line.t - start, 2)
+
+    figures: Dict[str, Any] = {"attacker_excluded_after_s": None, "attacker_excluded_after_online_s": None,
+                               "attacker_first_warning_after_s": None}
+    if warned is not None:
+        figures["attacker_first_warning_after_s"] = since(warned[0])
+        figures["first_warning_evidence"] = f"{warned[1]}: {warned[0].message[:200]}"
+    if found is not None and since(found[0]) is not None:
+        line, name = found
+        figures.update(attacker_excluded_after_s=since(line),
+                       attacker_excluded_after_online_s=round(line.t - run.attacker.ready_at, 2),
+                       exclusion_evidence=f"{name}: {line.message[:200]}")
+    return figures
 
 
 def peers_cpu_seconds(swarm: AttackSwarm) -> Dict[str, float]:
@@ -503,6 +518,7 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "attacker_excluded_after_s": on.get("attacker_excluded_after_s"),
         "attacker_excluded_after_online_s": on.get("attacker_excluded_after_online_s"),
         "attacker_excluded_after_s_undefended": off_.get("attacker_excluded_after_s"),
+        "attacker_first_warning_after_s": on.get("attacker_first_warning_after_s"),
         "samples_lost": on.get("samples_lost"), "samples_lost_undefended": off_.get("samples_lost"),
         "samples_lost_clean": clean_on.get("samples_lost"),
         "honest_states_defended": on.get("honest_states_at_end"), "honest_states_clean": clean_on.get("honest_states_at_end"),
@@ -540,7 +556,8 @@ def _json_safe(value: Any) -> Any:
 TABLE = (("attack", "attack", 22), ("loss clean", "loss_clean", 10), ("loss def", "loss_defended", 9),
          ("loss undef", "loss_undefended", 10), ("held-out clean", "heldout_loss_clean", 14),
          ("held-out def", "heldout_loss_defended", 12), ("held-out undef", "heldout_loss_undefended", 14),
-         ("excluded s", "attacker_excluded_after_s", 10), ("lost", "samples_lost", 6),
+         ("excluded s", "attacker_excluded_after_s", 10), ("warned s", "attacker_first_warning_after_s", 8),
+         ("lost", "samples_lost", 6),
          ("states", "honest_states_defended", 6),
          ("thr ratio", "throughput_ratio_defended_vs_clean", 9), ("undef diverged", "undefended_diverged", 14))
 
@@ -590,7 +607,39 @@ async def main(args) -> List[Dict[str, Any]]:
         rows.append(combine(attack, args, {d: clean[(attack.stage, d)] for d in modes}, on, off, initial))
     print_table(rows)
     print(summary(clean), flush=True)
-    return [_json_safe({**row, "log_dir": str(log_dir)}) for row in rows]
+    result = [_json_safe({**row, "log_dir": str(log_dir)}) for row in rows]
+    record(args, result, [run for runs in clean.values() for run in runs]
+           + [run for row in rows for run in row["runs"].values() if run is not None])
+    return result
+
+
+RAW_FIGURES = ("heldout_loss", "loss", "throughput_samples_per_s", "peer_cpu_ms_per_sample", "samples_lost",
+               "attacker_excluded_after_s", "attacker_first_warning_after_s")
+
+
+def record(args, rows: List[Dict[str, Any]], runs: List[Dict[str, Any]]) -> None:
+    """The run's record: every run's figures by its label (clean runs repeat; attack runs are one each)."""
+    raw: Dict[str, List[Any]] = {}
+    for run in runs:
+        for key in RAW_FIGURES:
+            if key.startswith("attacker_") and key not in run:
+                continue  # a clean run has no attacker to time
+            value = run.get(key)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            raw.setdefault(f"{key}[{run['label']}]", []).append(value if number else None)
+    headline = [{"attack": r["attack"], "heldout_clean": r["heldout_loss_clean"],
+                 "heldout_defended": r["heldout_loss_defended"], "heldout_undefended": r["heldout_loss_undefended"],
+                 "excluded_after_s": r["attacker_excluded_after_s"],
+                 "first_warning_after_s": r["attacker_first_warning_after_s"],
+                 "throughput_defended_vs_clean": r["throughput_ratio_defended_vs_clean"],
+                 "undefended_diverged": r["undefended_diverged"]} for r in rows]
+    write_record("attacks", args, rows, raw=raw, headline=headline, notes=[
+        "One live swarm per run; clean runs (no attacker) repeat --clean_repeats times per swarm shape and defence "
+        "setting, taking turns; the headline's clean figures are the clean run of median held-out loss.",
+        "excluded_after_s counts only a ban or a refusal of the attacker in an honest role's log (a trainer banning "
+        "it, replicas excluding it from averaging, its state, calls or DHT traffic refused, its micro-batches "
+        "weighted 0); first_warning_after_s is the first warning naming it at all. '-' = never.",
+        "Raw values are keyed <figure>[<run label>]: clean_s<stage>_on/off or <attack>_on/off."])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ seq 64, 2 stages; defences on), and for each merge count N (``--merge_counts``) 
                  summed: what a merge would cost if micro-batches needed no gradient of their own (they
                  do, for the per-micro-batch clip): the floor any exact merge could reach.
 Each figure is CPU time (``time.process_time``) per micro-batch, the best of ``--repeats`` runs (the
-machine is shared; the best run is the least disturbed), with fresh micro-batch ids every run.
+machine is shared; the best run is the least disturbed), with fresh micro-batch ids every run. The run's
+record (``benchmarks/_records.py``) keeps every repeat's time, so the spread behind each best is there too.
 
 Usage: python benchmarks/batching.py [--merge_counts 2 4 8] [--batch_size 8] [--repeats 10]
 """
@@ -30,12 +31,13 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from _records import add_record_arguments, write_record  # noqa: E402
 from swarm.config.settings import RunConfig  # noqa: E402
 from swarm.model.gpt import ModelConfig  # noqa: E402
 from swarm.server.runner import StageRunner  # noqa: E402
@@ -50,17 +52,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden_size", type=int, default=128)
     parser.add_argument("--num_heads", type=int, default=4)
     parser.add_argument("--seq_len", type=int, default=64)
-    return parser.parse_args()
+    add_record_arguments(parser)
+    args = parser.parse_args()
+    if args.repeats < 1 or not args.merge_counts or min(args.merge_counts) < 1 or args.batch_size < 1:
+        parser.error("--repeats, --batch_size and every --merge_counts entry must be at least 1")
+    return args
 
 
-def best_ms(run: Callable[[int], None], repeats: int, count: int) -> float:
-    """Best CPU time of ``run(repeat)`` over ``repeats`` runs, in ms per micro-batch (one warm-up run first)."""
+def best_ms(run: Callable[[int], None], repeats: int, count: int, every: Optional[List[float]] = None) -> float:
+    """Best CPU time of ``run(repeat)`` over ``repeats`` runs, in ms per micro-batch (one warm-up run first);
+    each run's figure is appended to ``every``."""
     run(-1)
     times = []
     for repeat in range(repeats):
         start = time.process_time()
         run(repeat)
         times.append(time.process_time() - start)
+    if every is not None:
+        every.extend(t * 1000 / count for t in times)
     return min(times) * 1000 / count
 
 
@@ -93,7 +102,9 @@ def summed_backward(runner: StageRunner, batch: List[tuple]) -> None:
         torch.autograd.grad(outputs, wrt, grad_outputs)
 
 
-def measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
+def measure(args: argparse.Namespace, raw: Dict[str, List[float]]) -> Dict[str, Dict[str, float]]:
+    """The best figure of each kind of request per merge count; every repeat's figure goes to ``raw``
+    (keyed ``<merge count>:<figure>``)."""
     run = RunConfig(num_stages=2, target_batch_size=10**9, model=ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_heads=args.num_heads, seq_len=args.seq_len))
     runners = [StageRunner(run, stage) for stage in range(2)]
@@ -103,9 +114,15 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
         row: Dict[str, float] = {}
         last = runners[1]
         fixed = requests(last, count, args.batch_size, "fwd", generator)
-        row["last_forward_alone"] = best_ms(lambda _: [last.forward(r[1], r[3]) for r in fixed], args.repeats, count)
+
+        def every(key: str, count: int = count) -> List[float]:
+            return raw.setdefault(f"{count}:{key}", [])
+
+        row["last_forward_alone"] = best_ms(lambda _: [last.forward(r[1], r[3]) for r in fixed], args.repeats, count,
+                                            every("last_forward_alone"))
         row["last_forward_merged"] = best_ms(lambda _: [t.mean() for t in torch.split(last.forward_per_sample(
-            torch.cat([r[1] for r in fixed]), torch.cat([r[3] for r in fixed])), args.batch_size)], args.repeats, count)
+            torch.cat([r[1] for r in fixed]), torch.cat([r[3] for r in fixed])), args.batch_size)], args.repeats, count,
+            every("last_forward_merged"))
         for stage, runner in enumerate(runners):
             batches = {}
 
@@ -116,11 +133,13 @@ def measure(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
                 for kind in ("alone", "merged"):
                     fresh(repeat, kind)
             row[f"backward{stage}_alone"] = best_ms(
-                lambda repeat: [runner.backward(*r) for r in fresh(repeat, "alone")], args.repeats, count)
+                lambda repeat: [runner.backward(*r) for r in fresh(repeat, "alone")], args.repeats, count,
+                every(f"backward{stage}_alone"))
             row[f"backward{stage}_merged"] = best_ms(
-                lambda repeat: runner.backward_batch(fresh(repeat, "merged")), args.repeats, count)
+                lambda repeat: runner.backward_batch(fresh(repeat, "merged")), args.repeats, count,
+                every(f"backward{stage}_merged"))
             row[f"summed{stage}"] = best_ms(lambda repeat: summed_backward(runner, fresh(repeat, "alone")),
-                                            args.repeats, count)
+                                            args.repeats, count, every(f"summed{stage}"))
         figures[str(count)] = row
     return figures
 
@@ -129,13 +148,22 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*batching rule.*")  # vmap's fallback for CPU attention: part of what is measured
-    figures = measure(args)
+    raw: Dict[str, List[float]] = {}
+    figures = measure(args, raw)
     print(f"ms of CPU per micro-batch of {args.batch_size} samples (best of {args.repeats}), one torch thread:")
     columns = list(next(iter(figures.values())))
     print(f"{'merged':>6} " + " ".join(f"{c:>20}" for c in columns))
     for count, row in figures.items():
         print(f"{count:>6} " + " ".join(f"{row[c]:>20.2f}" for c in columns))
-    print(json.dumps({"batch_size": args.batch_size, "repeats": args.repeats, "ms_per_micro_batch": figures}), flush=True)
+    summary = {"batch_size": args.batch_size, "repeats": args.repeats, "ms_per_micro_batch": figures}
+    write_record("batching", args, summary, raw=raw,
+                 headline=[{"merged": int(count), **{k: round(v, 2) for k, v in row.items()}}
+                           for count, row in figures.items()],
+                 notes=["CPU ms per micro-batch (time.process_time, one torch thread), the best of --repeats runs; the "
+                        "raw values are every run's figure, keyed <merge count>:<request kind>.",
+                        "alone = one call per micro-batch; merged = one call for all of them; summed = the floor an "
+                        "exact merge could reach (no per-micro-batch gradients)."])
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -50,12 +50,18 @@ The last line is one JSON object; progress lines come before it. The probe's ser
 ``<log_dir>/<run_id>-samples.jsonl`` for a post-mortem. Logs of every process are
 kept in ``--log_dir`` (a fresh temporary directory by default; its path is printed).
 
-Defaults (``--period_s 20 --events 4``, 2 peers per stage, 2 trainers) train 100 s per run and
+Repeats: ``--repeats N`` runs N churn runs and N baseline runs, taking turns (churn, baseline, then
+baseline, churn, ...) so that a slow spell of the shared machine favours neither; each pair's ratio is its
+churn run's samples over its baseline's. The top-level figures are those of the repeat of median ratio
+(``repeat`` names it; with ``--no_baseline``, the first), ``lost_max`` the most samples any churn run lost,
+``repeats`` every repeat's figures and ``spread`` their n, min, median and max.
+
+Defaults (``--period_s 20 --events 4``, 2 peers per stage, 2 trainers, 1 repeat) train 100 s per run and
 take about 4-6 minutes in all (both runs) on a 2-core machine (5m43s measured under load average 15,
 most of the excess in process start-ups). ``--period_s 60 --events 5``
 is "one peer killed and one started per minute" (about 13 minutes).
 
-Usage: python benchmarks/churn.py [--period_s 20] [--events 4] [--no_baseline] [--log_dir DIR]
+Usage: python benchmarks/churn.py [--period_s 20] [--events 4] [--repeats 1] [--no_baseline] [--log_dir DIR]
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _records import add_record_arguments, median_item, spread_of, take_turns, write_record  # noqa: E402
 from _swarm import (FAST_PEER, LiveSwarm, Snapshot, accounted, counts, install_signal_handlers,  # noqa: E402
                     log, make_log_dir, online)
 
@@ -95,8 +102,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample_period_s", type=float, default=0.5, help="seconds between DHT reads of the probe")
     p.add_argument("--settle_timeout_s", type=float, default=30.0, help="wait at most this long for the stages to account for every sample")
     p.add_argument("--no_baseline", action="store_true", help="skip the no-churn run (no throughput ratio)")
+    p.add_argument("--repeats", type=int, default=1, help="churn runs (and as many baseline runs), taking turns")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
-    return p.parse_args(argv)
+    add_record_arguments(p)
+    args = p.parse_args(argv)
+    if args.repeats < 1 or args.events < 0 or args.period_s <= 0 or args.peers_per_stage < 1 or args.trainers < 1:
+        p.error("--repeats, --peers_per_stage and --trainers must be at least 1, --events >= 0, --period_s positive")
+    return args
 
 
 class Sampler:
@@ -337,19 +349,49 @@ async def run_once(args, churn: bool, log_dir: Path) -> Dict[str, Any]:
         await asyncio.to_thread(swarm.close)
 
 
-async def main(args) -> Dict[str, Any]:
-    log_dir = make_log_dir(args.log_dir, "bench_churn_")
-    wall = time.monotonic()
-    churned = await run_once(args, churn=True, log_dir=log_dir)
-    baseline, baseline_error = None, None
-    if not args.no_baseline:
+async def one_repeat(args, log_dir: Path, repeat: int) -> Dict[str, Any]:
+    """A churn run and (unless ``--no_baseline``) a baseline run, in this repeat's turn: the pair's figures."""
+    churned, baseline, baseline_error = None, None, None
+    for kind in take_turns(["churn"] if args.no_baseline else ["churn", "baseline"], repeat):
+        log(f"repeat {repeat + 1}/{args.repeats}: the {kind} run")
+        if kind == "churn":
+            churned = await run_once(args, churn=True, log_dir=log_dir)
+            continue
         try:
             baseline = await run_once(args, churn=False, log_dir=log_dir)
         except (TimeoutError, OSError, RuntimeError) as e:  # still report the churn run's figures
             baseline_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log(f"[baseline] failed: {e}")
+    return {"repeat": repeat, **pair_figures(args, churned, baseline, baseline_error)}
+
+
+REPEAT_FIGURES = ("throughput_ratio_vs_no_churn", "lost", "max_stall_s", "churn_samples_per_s",
+                  "baseline_samples_per_s", "baseline_max_stall_s", "baseline_lost", "failed_micro_batches", "resent",
+                  "kills", "joins")
+
+
+async def main(args) -> Dict[str, Any]:
+    log_dir = make_log_dir(args.log_dir, "bench_churn_")
+    wall = time.monotonic()
+    repeats = [await one_repeat(args, log_dir, repeat) for repeat in range(args.repeats)]
+    return {**summarize(repeats, args.no_baseline), "wall_s": round(time.monotonic() - wall, 1),
+            "log_dir": str(log_dir)}
+
+
+def summarize(repeats: List[Dict[str, Any]], no_baseline: bool) -> Dict[str, Any]:
+    """The repeat of median ratio (the first without baselines) at the top, the most samples any churn run lost,
+    every repeat's figures and their spread."""
+    chosen = repeats[0] if no_baseline else median_item(repeats, "throughput_ratio_vs_no_churn")
+    return {**chosen, "lost_max": max(r["lost"] for r in repeats),
+            "repeats": [{key: r.get(key) for key in ("repeat", *REPEAT_FIGURES)} for r in repeats],
+            "spread": {key: spread_of(repeats, key) for key in REPEAT_FIGURES}}
+
+
+def pair_figures(args, churned: Dict[str, Any], baseline: Optional[Dict[str, Any]],
+                 baseline_error: Optional[str]) -> Dict[str, Any]:
+    """The figures of one churn run beside its baseline run (see the module docstring)."""
     accounted_min = min(churned["samples_accounted_by_stage"])
-    result = {
+    return {
         "samples_sent": churned["samples_sent"],
         "samples_accounted": accounted_min,
         "samples_accounted_is": "min over stages",
@@ -376,12 +418,32 @@ async def main(args) -> Dict[str, Any]:
         "resends_by_stage": churned["resends_by_stage"],
         "live_records_missing_from_reads": churned["live_records_missing_from_reads"],
         "train_duration_s": churned["duration_s"], "period_s": args.period_s,
-        "wall_s": round(time.monotonic() - wall, 1), "log_dir": str(log_dir),
     }
-    return result
+
+
+def record(args, result: Dict[str, Any]) -> None:
+    """The run's record: every repeat's figures, and the headline a reader needs first."""
+    ratio = result["spread"]["throughput_ratio_vs_no_churn"]
+    write_record("churn", args, result, raw={key: [r[key] for r in result["repeats"]] for key in REPEAT_FIGURES},
+                 headline={"repeats": len(result["repeats"]), "lost (median-ratio repeat)": result["lost"],
+                           "lost_max": result["lost_max"], "throughput_ratio_vs_no_churn (median)": ratio["median"],
+                           "throughput_ratio_vs_no_churn (min)": ratio["min"],
+                           "throughput_ratio_vs_no_churn (max)": ratio["max"],
+                           "max_stall_s (median)": result["spread"]["max_stall_s"]["median"],
+                           "baseline_max_stall_s (median)": result["spread"]["baseline_max_stall_s"]["median"],
+                           "kills": result["kills"], "joins": result["joins"]},
+                 notes=["Each repeat: a churn run and a baseline run (same swarm, trainers and duration, no churn), "
+                        "each a fresh swarm, taking turns; the ratio is the churn run's samples sent over its "
+                        "baseline's.",
+                        "lost = samples sent - the least any stage accounts for once settled (negative: counted "
+                        "twice).",
+                        "Raw values are one per repeat; kills and joins in the headline are the median-ratio "
+                        "repeat's."])
 
 
 if __name__ == "__main__":
     install_signal_handlers()
-    result = asyncio.run(main(parse_args()))
+    arguments = parse_args()
+    result = asyncio.run(main(arguments))
+    record(arguments, result)
     print(json.dumps(result), flush=True)

@@ -55,6 +55,10 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _records import add_record_arguments, write_record  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 DOCKER_DIR = REPO / "docker"
 COMPOSE_FILE = DOCKER_DIR / "compose.yaml"
@@ -288,6 +292,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--project", default="swarm_bench", help="the compose project name (prefix of every container)")
     p.add_argument("--dashboard_port", type=int, default=0, help="host port for the dashboard; 0 = a free one")
     p.add_argument("--log_dir", type=Path, default=None, help="where to keep the logs; default a new temporary directory")
+    add_record_arguments(p)
     return p.parse_args(argv)
 
 
@@ -308,7 +313,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         figures = measure(args, log_dir)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"error: {e}", file=sys.stderr)
-        print(json.dumps({"ok": False, "error": str(e)}))
+        failed = {"ok": False, "error": str(e)}
+        write_record("containers", args, failed, raw={}, headline=failed, notes=["The run failed before its figures."])
+        print(json.dumps(failed))
         return 1
     except KeyboardInterrupt:
         print(json.dumps({"ok": False, "error": "interrupted"}))
@@ -317,8 +324,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"up {figures['up_s']} s, first loss after {figures['first_loss_s']} s")
     log(f"loss {figures['loss_start']} -> {figures['loss_end']} over {figures['samples']} samples, "
         f"{figures['global_steps']} global steps; dashboard: {figures['dashboard']}")
+    write_record("containers", args, figures, raw={key: [figures.get(key)] for key in RECORD_FIGURES},
+                 headline={key: figures.get(key) for key in ("ok", *RECORD_FIGURES, "loss_start", "loss_end",
+                                                             "loss_fell", "dashboard")},
+                 notes=["One build and one compose run: one value each, no spread. Build times depend on the engine's "
+                        "layer cache (--use_cache) and the machine's load."])
     print(json.dumps(figures))
     return 0 if figures["ok"] else 1
+
+
+RECORD_FIGURES = ("wheels_s", "base_build_s", "build_s", "image_mb", "up_s", "first_loss_s", "samples", "global_steps")
 
 
 if __name__ == "__main__":

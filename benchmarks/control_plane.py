@@ -51,6 +51,7 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord  # noqa: E402
 from hivemind.p2p import P2P  # noqa: E402
 from hivemind.utils import MSGPackSerializer  # noqa: E402
 
+from _records import add_record_arguments, write_record  # noqa: E402
 from swarm import PROTOCOL_VERSION  # noqa: E402
 from swarm.dht.directory import PROBE_PERIOD_S, Directory  # noqa: E402
 from swarm.dht.identity import Identity, load_or_create_identity  # noqa: E402
@@ -250,7 +251,8 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
                 "records_seen_per_peer": round(seen, 1), "view_share_min": round(view_share_min, 3), "stretch": stretch, "failed_polls": measured_counts["failed"],
                 "polls": measured_counts["poll"],
                 "pollers": len(pollers), "polls_per_s_per_poller": round(measured_counts["poll"] / elapsed / len(pollers), 3),
-                "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "source": "live"}
+                "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "source": "live",
+                "_lookup_ms": [round(x, 2) for x in latencies]}  # every lookup: for the record, not the last line
     finally:
         for node in nodes:
             await node.shutdown()
@@ -276,6 +278,7 @@ def main(argv: List[str]) -> int:
                              "lookup; dozens at once in one process time out, and a node that cannot probe stores "
                              "its record only where readers of a large stage do not look)")
     parser.add_argument("--model_peers", default="1000,10000", help="comma list of modelled swarm sizes")
+    add_record_arguments(parser)
     args = parser.parse_args(argv)
     _count_rpc_bytes()
     checking = checking_ms_per_shard(args.stages)
@@ -290,6 +293,7 @@ def main(argv: List[str]) -> int:
               f"{row['lookup_ms_p50']} ms with periods x{row['stretch']:g}, {row['records_seen_per_peer']} records "
               f"seen per poller ({row['pollers']} pollers, the least {100 * row['view_share_min']:.0f}% of the swarm), {row['failed_polls']} of {row['polls']} polls failed, max RSS {row['max_rss_mib']} MiB", flush=True)
         rows.append(row)
+    lookups = {f"lookup_ms[{row['peers']} peers, live]": row.pop("_lookup_ms") for row in rows}
     record_bytes = max(r["max_record_bytes"] for r in rows)
     model = calibrate(TrafficModel(record_bytes=record_bytes, num_stages=args.stages,
                                    announce_period_s=args.announce_period_s, read_period_s=args.read_period_s),
@@ -309,6 +313,14 @@ def main(argv: List[str]) -> int:
               f"be {one_key / 2**20:.1f} MiB)")
     for row in rows:
         row["check_ms_per_shard_answer"] = checking
+    write_record("control_plane", args, rows, raw=lookups,
+                 headline=[{k: r.get(k) for k in ("peers", "source", "dht_bytes_per_s_per_peer", "max_record_bytes",
+                                                  "max_message_bytes", "lookup_ms_p50", "view_share_min", "stretch")}
+                           for r in rows],
+                 notes=["live rows: real DHT nodes in one process, periods stretched alike where the cores cannot "
+                        "keep the live ones (stretch); simulated rows: swarm/simulate/dht_traffic calibrated on the "
+                        "live ones.",
+                        "Raw values: the latency of every lookup the pollers made in the measured window."])
     print(json.dumps(rows))
     return 0
 

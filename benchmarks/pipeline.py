@@ -25,6 +25,14 @@ after the last, with every process of the swarm stopped (SIGSTOP) meanwhile, so 
 has the machine to itself. This machine's speed drifts by tens of percent within a minute (one process's
 CPU time per micro-batch ranged from 396 to 545 ms between runs); alternating gives both sides the same
 machine. Each swarm window's ratio against the single windows around it is printed too.
+  (c) same cores: the same single process given ``--single_threads`` torch threads (default: the stage
+      peers' compute threads together, one per stage), measured right after each window of (a), the swarm
+      stopped too: the swarm's peers compute on that many cores at once, so a sceptic asks whether one
+      process on as many cores does as well. ``ratio_same_cores`` is the swarm's tokens/s over it
+      (``--single_threads 0`` skips it). Its CPU time is the whole process's (every torch thread). Where
+      other work shares the machine, its threads wait for each other at every parallel region (and spin
+      meanwhile): its CPU ms per micro-batch far above the one-thread process's says so, and then it
+      measures the machine's load more than what a second core buys.
 
 The breakdown, per micro-batch of the benchmark's shape:
   compute         median CPU time of the StageRunner calls the peers run, timed in this process
@@ -51,6 +59,9 @@ The breakdown, per micro-batch of the benchmark's shape:
                   peers during training (their own throughput EMA) than alone in this process.
   CPU             CPU seconds of every process the benchmark runs (from /proc), per
                   micro-batch: on 2 cores, 2 * single-process CPU / swarm CPU bounds the ratio.
+                  ``swarm_cpu_ms_per_micro_batch`` (all the swarm's processes) stands beside
+                  ``single_cpu_ms_per_micro_batch`` (one thread) and ``single_same_cores_cpu_ms_per_micro_batch``
+                  (``--single_threads`` threads): what the swarm spends for the same work.
   busy            samples/s of the phase x the peer's compute cost per sample (its EMA over
                   its last few calls, read at the end of the phase): approximate; above 100%
                   means compute got slower towards the end of the window.
@@ -58,7 +69,9 @@ The breakdown, per micro-batch of the benchmark's shape:
                   activation [batch, seq_len, hidden] float32 (+ targets) on the idle swarm,
                   minus the compute of that forward (StageRunner.forward on the same tensors,
                   timed in this process): the cost of one network hop carrying one activation.
-Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--compression fp16] [--rounds 3] [--direct_port -1] ...
+The run's record (``benchmarks/_records.py``) keeps every window's figures and every probe's round trip.
+Usage: python benchmarks/pipeline.py [--samples 384] [--batch_size 16] [--compression fp16] [--rounds 3]
+       [--direct_port -1] [--single_threads 2] ...
 """
 
 from __future__ import annotations
@@ -75,19 +88,21 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from hivemind.p2p import PeerID  # noqa: E402
 
+from _records import add_record_arguments, write_record  # noqa: E402
 from _roles import Swarm, cpu_seconds_by_kind, machine_busy_seconds, paused  # noqa: E402
-from swarm import wire  # noqa: E402
+from swarm.net import wire  # noqa: E402
 from swarm.client.trainer import Trainer  # noqa: E402
 from swarm.config.settings import NetworkConfig, RunConfig, TrainerConfig  # noqa: E402
 from swarm.training.data import BatchSampler, Corpus, load_corpus  # noqa: E402
-from swarm.model.gpt import FullModel, ModelConfig  # noqa: E402
+from swarm.model.gpt import ModelConfig  # noqa: E402
+from swarm.model.stages import FullModel  # noqa: E402
 from swarm.training.optimizer import make_optimizer, optimizer_step  # noqa: E402
 from swarm.net.rpc import call_peer  # noqa: E402
 from swarm.server.runner import StageRunner  # noqa: E402
@@ -96,6 +111,8 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 TRAINER_SEED = 1  # the single process draws the same samples as the trainer
 CALLS = ("forward0", "backward1", "backward0")  # the three calls of one micro-batch, in order
 CACHE_BYTES = 512 * 2**20  # the peers' default --forward_cache_mb
+NUM_STAGES = 2
+PEER_THREADS = 1  # each stage peer's --num_threads
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,7 +136,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--direct_port", type=int, default=0, choices=(0, -1),
                         help="the peers' direct port: 0 (any free port, the default) or -1 (off: every call "
                              "goes through p2pd)")
-    return parser.parse_args()
+    parser.add_argument("--single_threads", type=int, default=None,
+                        help="torch threads of the same-cores baseline: one process on as many cores as the swarm's "
+                             "peers compute on (default: one per stage); 0 skips it")
+    add_record_arguments(parser)
+    args = parser.parse_args()
+    if args.single_threads is None:
+        args.single_threads = NUM_STAGES * PEER_THREADS
+    if args.single_threads < 0:
+        parser.error(f"--single_threads must be 0 (skip) or positive, got {args.single_threads}")
+    if args.samples < args.batch_size or args.rounds < 1 or args.reps < 1:
+        parser.error("--samples must be at least --batch_size, --rounds and --reps at least 1")
+    return args
 
 
 def median_ms(fn: Callable[[], Any], reps: int) -> float:
@@ -210,8 +238,8 @@ def measure_serialization(messages: Dict[str, Tuple[Dict, Dict]], reps: int) -> 
 class SingleProcess:
     """The whole model trained in this process, from the swarm's initialisation, on the trainer's samples."""
 
-    def __init__(self, run: RunConfig, corpus: Corpus, batch_size: int):
-        self.run, self.batch_size = run, batch_size
+    def __init__(self, run: RunConfig, corpus: Corpus, batch_size: int, num_threads: int = 1):
+        self.run, self.batch_size, self.num_threads = run, batch_size, num_threads
         self.model = FullModel(run.model, run.num_stages, run.seed)
         self.params = [list(stage.parameters()) for stage in self.model.stages]
         self.optimizers = [make_optimizer(p, run.optimizer) for p in self.params]
@@ -228,23 +256,34 @@ class SingleProcess:
             self.accumulated = 0
 
     def measure(self, num_micro_batches: int) -> Dict[str, float]:
-        """Wall and CPU seconds of ``num_micro_batches``, tokens/s, and how busy the whole machine was meanwhile."""
-        start, cpu_start, busy_start = time.perf_counter(), time.thread_time(), machine_busy_seconds()
-        for _ in range(num_micro_batches):
-            self.micro_batch()
-        wall = time.perf_counter() - start
+        """Wall and CPU seconds of ``num_micro_batches`` with ``num_threads`` torch threads (the caller's setting
+        is restored after), tokens/s, and how busy the whole machine was meanwhile. ``cpu_s`` is this thread's
+        CPU time (all of it with one torch thread), ``process_cpu_s`` the whole process's (every torch thread)."""
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.num_threads)
+        try:
+            start, busy_start = time.perf_counter(), machine_busy_seconds()
+            cpu_start, process_start = time.thread_time(), time.process_time()
+            for _ in range(num_micro_batches):
+                self.micro_batch()
+            wall = time.perf_counter() - start
+            cpu, process_cpu = time.thread_time() - cpu_start, time.process_time() - process_start
+        finally:
+            torch.set_num_threads(previous)
         return {"micro_batches": num_micro_batches, "wall_s": wall,
                 "tokens_per_s": num_micro_batches * self.batch_size * self.run.model.seq_len / wall,
-                "cpu_s": time.thread_time() - cpu_start, "busy_s": machine_busy_seconds() - busy_start}
+                "cpu_s": cpu, "process_cpu_s": process_cpu, "busy_s": machine_busy_seconds() - busy_start}
 
 
-def combine_single(parts: Sequence[Dict[str, float]]) -> Dict[str, float]:
-    """One figure from the windows measured between the swarm's (the machine's speed drifts)."""
+def combine_single(parts: Sequence[Dict[str, float]], cpu_key: str = "cpu_s") -> Dict[str, float]:
+    """One figure from the windows measured between the swarm's (the machine's speed drifts); CPU from
+    ``cpu_key`` ("process_cpu_s" for a baseline with several torch threads)."""
     num, wall = sum(p["micro_batches"] for p in parts), sum(p["wall_s"] for p in parts)
     return {"tokens_per_s": pooled_tokens_per_s(parts), "ms_per_micro_batch": wall * 1000 / num,
-            "cpu_ms_per_micro_batch": sum(p["cpu_s"] for p in parts) * 1000 / num,
+            "cpu_ms_per_micro_batch": sum(p[cpu_key] for p in parts) * 1000 / num,
             "machine_cores_busy": sum(p["busy_s"] for p in parts) / wall,
-            "tokens_per_s_by_window": [p["tokens_per_s"] for p in parts]}
+            "tokens_per_s_by_window": [p["tokens_per_s"] for p in parts],
+            "cpu_ms_per_micro_batch_by_window": [p[cpu_key] * 1000 / p["micro_batches"] for p in parts]}
 
 
 # ---- the swarm ----
@@ -355,7 +394,7 @@ async def probe_rpc(trainer: Trainer, peers: Dict[int, str], messages: Dict[str,
             if rep:
                 times[name].append(elapsed)
     return {"mean": {name: statistics.mean(values) for name, values in times.items()},
-            "median": {name: statistics.median(values) for name, values in times.items()}}
+            "median": {name: statistics.median(values) for name, values in times.items()}, "all": times}
 
 
 async def peer_info(trainer: Trainer, peers: Dict[int, str]) -> Dict[int, Dict[str, Any]]:
@@ -364,49 +403,64 @@ async def peer_info(trainer: Trainer, peers: Dict[int, str]) -> Dict[int, Dict[s
 
 
 async def measure_swarm(run: RunConfig, args: argparse.Namespace, swarm: Swarm, peers: Dict[int, str],
-                        corpus: Corpus, messages: Dict[str, Tuple[Dict, Dict]], single: "SingleProcess"
+                        corpus: Corpus, messages: Dict[str, Tuple[Dict, Dict]], baselines: Sequence["SingleProcess"]
                         ) -> Dict[str, Any]:
-    """Every swarm window comes right after a window of the single process (and the last is followed by
-    one), so that both see the machine in the same state: its speed drifts by tens of percent within a
-    minute. While the single process runs, every process of the swarm (the trainer's p2pd and DHT process
-    too) is stopped, so that it has the machine to itself, as before the swarm started."""
+    """Every swarm window comes right after a window of each single-process baseline (and the last is followed
+    by one), so that both see the machine in the same state: its speed drifts by tens of percent within a
+    minute. While a single process runs, every process of the swarm (the trainer's p2pd and DHT process
+    too) is stopped, so that it has the machine to itself, as before the swarm started. ``baselines[0]`` is
+    the one-thread process; a second one, if given, has the swarm's cores."""
     trainer = await start_trainer(run, args.batch_size, swarm.initial_peers, corpus)
     try:
         log = CallLog(trainer.client)
         roles = {**{f"peer{stage}": swarm.processes[1 + stage].pid for stage in peers},
                  "bootstrap": swarm.processes[0].pid, "trainer": os.getpid()}
         single_micro_batches = max(1, args.samples // args.batch_size // 2)
-        phases, singles = [], []
+        phases: List[Dict[str, Any]] = []
+        windows_of: List[List[Dict[str, float]]] = [[] for _ in baselines]  # per baseline, in the order taken
         settings = [int(k) for k in args.in_flight.split(",")]
         for index, in_flight in enumerate(settings):
             before = await peer_info(trainer, peers)
             windows = []
             for _ in range(args.rounds if index == len(settings) - 1 else 1):
-                singles.append(single_window(single, single_micro_batches, roles.values()))
+                for kept, window in zip(windows_of, single_windows(baselines, single_micro_batches, roles.values())):
+                    kept.append(window)
                 windows.append(await measure_phase(trainer, log, in_flight, args.samples, roles))
-                windows[-1]["single_before"] = len(singles) - 1
+                windows[-1]["single_before"] = len(windows_of[0]) - 1
             phases.append(combine_windows(windows))
             phases[-1]["peer_info"] = await peer_info(trainer, peers)
             phases[-1]["cache"] = cache_counts(before[0], phases[-1]["peer_info"][0])
-        singles.append(single_window(single, single_micro_batches, roles.values()))
+        for kept, window in zip(windows_of, single_windows(baselines, single_micro_batches, roles.values())):
+            kept.append(window)
         for phase in phases:  # against the single-process windows just before and just after its own
-            around = sorted({w["single_before"] + k for w in phase["windows"] for k in (0, 1)})
-            phase["single_tokens_per_s"] = pooled_tokens_per_s([singles[i] for i in around])
-            phase["ratio"] = phase["tokens_per_s"] / phase["single_tokens_per_s"]
-            phase["ratio_by_window"] = [
-                w["tokens_per_s"] / pooled_tokens_per_s(singles[w["single_before"]:w["single_before"] + 2])
-                for w in phase["windows"]]
+            one = against(phase, windows_of[0])
+            phase["single_tokens_per_s"], phase["ratio"], phase["ratio_by_window"] = (
+                one["tokens_per_s"], one["ratio"], one["ratio_by_window"])
+            phase["same_cores"] = against(phase, windows_of[1]) if len(windows_of) > 1 else None
         probe = await probe_rpc(trainer, peers, messages, args.reps)
-        return {"phases": phases, "probe": probe, "singles": singles}
+        return {"phases": phases, "probe": probe, "singles": windows_of[0],
+                "same_cores": windows_of[1] if len(windows_of) > 1 else []}
     finally:
         trainer.shutdown()
 
 
-def single_window(single: "SingleProcess", micro_batches: int, swarm_roots: Sequence[int]) -> Dict[str, float]:
-    """A window of the single process with the swarm stopped; this blocks the trainer's event loop, which
-    has nothing to do meanwhile."""
+def single_windows(baselines: Sequence["SingleProcess"], micro_batches: int, swarm_roots: Sequence[int]
+                   ) -> List[Dict[str, float]]:
+    """A window of each single-process baseline, one after the other, with the swarm stopped; this blocks the
+    trainer's event loop, which has nothing to do meanwhile."""
     with paused(list(swarm_roots)):
-        return single.measure(micro_batches)
+        return [baseline.measure(micro_batches) for baseline in baselines]
+
+
+def against(phase: Dict[str, Any], baseline: Sequence[Dict[str, float]]) -> Dict[str, Any]:
+    """A phase against a baseline's windows: the baseline's tokens/s pooled over the windows just before and
+    just after each of the phase's windows, the phase's ratio to it, and each window's ratio to the two
+    baseline windows around it."""
+    around = sorted({w["single_before"] + k for w in phase["windows"] for k in (0, 1)})
+    pooled = pooled_tokens_per_s([baseline[i] for i in around])
+    by_window = [w["tokens_per_s"] / pooled_tokens_per_s(baseline[w["single_before"]:w["single_before"] + 2])
+                 for w in phase["windows"]]
+    return {"tokens_per_s": pooled, "ratio": phase["tokens_per_s"] / pooled, "ratio_by_window": by_window}
 
 
 def pooled_tokens_per_s(windows: Sequence[Dict[str, float]]) -> float:
@@ -430,7 +484,9 @@ def combine_windows(windows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         "cpu_s_per_micro_batch": {k: v / micro_batches for k, v in cpu.items()},
         "cores_busy": {"ours": sum(v for k, v in cpu.items() if k != "machine") / elapsed,
                        "machine": cpu["machine"] / elapsed},
-        "windows": [{"tokens_per_s": w["tokens_per_s"], "single_before": w["single_before"]} for w in windows]}
+        "windows": [{"tokens_per_s": w["tokens_per_s"], "single_before": w["single_before"],
+                     "cpu_ms_per_micro_batch": 1000 * sum(v for k, v in w["cpu_s"].items() if k != "machine")
+                     / max(w["micro_batches"], 1)} for w in windows]}
 
 
 def cache_counts(before: Dict[str, Any], after: Dict[str, Any]) -> Dict[str, int]:
@@ -491,9 +547,9 @@ def pipeline_bound(compute: Dict[str, float], hits: bool = True) -> float:
     return single / max(stage0, compute["backward1"])
 
 
-def print_single(single: Dict[str, float]) -> None:
+def print_single(single: Dict[str, float], label: str = "single process") -> None:
     windows = ", ".join(f"{v:.0f}" for v in single["tokens_per_s_by_window"])
-    print(f"single process: {single['tokens_per_s']:.0f} tokens/s (windows between the swarm's: {windows}); "
+    print(f"{label}: {single['tokens_per_s']:.0f} tokens/s (windows between the swarm's: {windows}); "
           f"{single['ms_per_micro_batch']:.0f} ms per micro-batch ({single['cpu_ms_per_micro_batch']:.0f} CPU ms); the "
           f"whole machine had {single['machine_cores_busy']:.2f} of {os.cpu_count()} cores busy meanwhile")
 
@@ -514,9 +570,14 @@ def print_phase(phase: Dict[str, Any], single: Dict[str, float], parts: Dict[str
           f"{phase['ratio']:.2f} (against the single process's {phase['single_tokens_per_s']:.0f} tokens/s in the "
           f"windows around this phase's); {1000 * batch / phase['samples_per_s']:.0f} ms "
           f"per micro-batch; failed micro-batches {phase['failed']}")
+    same = phase.get("same_cores")
+    if same is not None:
+        print(f"  against one process with the swarm's cores ({same['tokens_per_s']:.0f} tokens/s around this phase's "
+              f"windows): ratio {same['ratio']:.2f}")
     if len(phase["windows"]) > 1:
         print(f"  {len(phase['windows'])} windows, each against the single-process windows around it: ratio "
-              + ", ".join(f"{r:.2f}" for r in phase["ratio_by_window"]))
+              + ", ".join(f"{r:.2f}" for r in phase["ratio_by_window"])
+              + ("" if same is None else "; same cores: " + ", ".join(f"{r:.2f}" for r in same["ratio_by_window"])))
     calls = ", ".join(f"{name} {phase['calls_ms'].get(name, float('nan')):.0f}" for name in CALLS)
     print(f"  mean call ms: {calls}")
     print(f"  latency {phase['latency_ms']:.0f} ms = " + " + ".join(f"{k} {v:.0f}" for k, v in parts.items()))
@@ -561,9 +622,11 @@ def main() -> int:
     compute, tensors = measure_compute(run, tokens, targets, args.reps)
     messages = call_messages(tensors)
     ser = measure_serialization(messages, args.reps)
-    single = SingleProcess(run, corpus, args.batch_size)
-    for _ in range(2):  # warm-up
-        single.micro_batch()
+    baselines = [SingleProcess(run, corpus, args.batch_size)]
+    if args.single_threads:
+        baselines.append(SingleProcess(run, corpus, args.batch_size, num_threads=args.single_threads))
+    for baseline in baselines:
+        baseline.measure(2)  # warm-up (and the second baseline's thread pool), off the clock
     print_local(run, args, compute, ser, tensors.hidden.numel() * 4)
     sys.stdout.flush()
 
@@ -573,17 +636,21 @@ def main() -> int:
             swarm.bootstrap()
             ready = swarm.peers([["--stage", "0"], ["--stage", "1"]])
             peers = {event["stage"]: event["peer_id"] for event in ready}
-            result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages, single))
+            result = asyncio.run(measure_swarm(run, args, swarm, peers, corpus, messages, baselines))
         finally:
             swarm.close()
     single_result = combine_single(result["singles"])
-    return report(run, args, compute, ser, single_result, result, time.perf_counter() - started)
+    same_cores = combine_single(result["same_cores"], "process_cpu_s") if result["same_cores"] else None
+    return report(run, args, compute, ser, single_result, same_cores, result, time.perf_counter() - started)
 
 
 def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], ser: Dict[str, float],
-           single: Dict[str, float], result: Dict[str, Any], wall_s: float) -> int:
+           single: Dict[str, float], same_cores: Optional[Dict[str, float]], result: Dict[str, Any],
+           wall_s: float) -> int:
     probe = result["probe"]
     print_single(single)
+    if same_cores is not None:
+        print_single(same_cores, f"single process, {args.single_threads} torch threads (the swarm's cores)")
     print_probe(probe, compute, ser)
     median = probe["median"]
     transfer = {name: median[name] - compute[name] - ser[name] for name in median if name != "info"}
@@ -602,10 +669,17 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
             "cpu_ms_per_micro_batch": round(1000 * sum(v for k, v in phase["cpu_s_per_micro_batch"].items()
                                                        if k != "machine"), 1),
             "stage0_cache": phase["cache"],
-            "ratio_by_window": [round(r, 3) for r in phase["ratio_by_window"]]}
+            "ratio_by_window": [round(r, 3) for r in phase["ratio_by_window"]],
+            "cpu_ms_per_micro_batch_by_window": [round(w["cpu_ms_per_micro_batch"], 1) for w in phase["windows"]],
+            **same_cores_figures(phase)}
     main_phase = by_in_flight.get("4", list(by_in_flight.values())[-1])
+    cpu_ratio = main_phase["cpu_ms_per_micro_batch"] / single["cpu_ms_per_micro_batch"]
+    print(f"CPU ms per micro-batch: swarm (every process of it) {main_phase['cpu_ms_per_micro_batch']:.0f}, one "
+          f"process {single['cpu_ms_per_micro_batch']:.0f} ({cpu_ratio:.2f}x)"
+          + ("" if same_cores is None else f", one process on {args.single_threads} threads "
+                                           f"{same_cores['cpu_ms_per_micro_batch']:.0f}"))
     print(f"wall time {wall_s:.0f} s")
-    print(json.dumps({
+    summary = {
         "single_tokens_per_s": main_phase["single_tokens_per_s"], "swarm_tokens_per_s": main_phase["tokens_per_s"],
         "single_tokens_per_s_all_windows": round(single["tokens_per_s"], 1),
         "ratio": main_phase["ratio"], "rpc_overhead_ms": round(rpc_overhead_ms, 1),
@@ -620,9 +694,68 @@ def report(run: RunConfig, args: argparse.Namespace, compute: Dict[str, float], 
         "single_cpu_ms_per_micro_batch": round(single["cpu_ms_per_micro_batch"], 1),
         "single_machine_cores_busy": round(single["machine_cores_busy"], 2),
         "single_tokens_per_s_by_window": [round(v, 1) for v in single["tokens_per_s_by_window"]],
+        "swarm_cpu_ms_per_micro_batch": main_phase["cpu_ms_per_micro_batch"],
+        "cpu_ratio_swarm_vs_single": round(cpu_ratio, 3),
+        "single_threads": args.single_threads,
+        "single_same_cores_tokens_per_s": main_phase.get("single_same_cores_tokens_per_s"),
+        "ratio_same_cores": main_phase.get("ratio_same_cores"),
+        "single_same_cores_cpu_ms_per_micro_batch": (round(same_cores["cpu_ms_per_micro_batch"], 1)
+                                                     if same_cores else None),
+        "single_same_cores_tokens_per_s_by_window": ([round(v, 1) for v in same_cores["tokens_per_s_by_window"]]
+                                                     if same_cores else None),
         "model": dataclasses.asdict(run.model), "batch_size": args.batch_size, "samples": args.samples,
-        "direct_port": args.direct_port, "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}))
+        "direct_port": args.direct_port, "target_batch_size": run.target_batch_size, "wall_s": round(wall_s, 1)}
+    write_record("pipeline", args, summary, raw=record_raw(single, same_cores, by_in_flight, probe),
+                 headline=record_headline(summary), notes=RECORD_NOTES)
+    print(json.dumps(summary))
     return 0
+
+
+def same_cores_figures(phase: Dict[str, Any]) -> Dict[str, Any]:
+    same = phase.get("same_cores")
+    if same is None:
+        return {}
+    return {"single_same_cores_tokens_per_s": round(same["tokens_per_s"], 1),
+            "ratio_same_cores": round(same["ratio"], 3),
+            "ratio_same_cores_by_window": [round(r, 3) for r in same["ratio_by_window"]]}
+
+
+def record_raw(single: Dict[str, Any], same_cores: Optional[Dict[str, Any]], by_in_flight: Dict[str, Dict[str, Any]],
+               probe: Dict[str, Any]) -> Dict[str, List[float]]:
+    """Every window's figures and every probe's round trip, for the run's record."""
+    raw = {"single_tokens_per_s": single["tokens_per_s_by_window"],
+           "single_cpu_ms_per_micro_batch": single["cpu_ms_per_micro_batch_by_window"]}
+    if same_cores is not None:
+        raw["single_same_cores_tokens_per_s"] = same_cores["tokens_per_s_by_window"]
+        raw["single_same_cores_cpu_ms_per_micro_batch"] = same_cores["cpu_ms_per_micro_batch_by_window"]
+    for in_flight, phase in by_in_flight.items():
+        raw[f"ratio[in_flight={in_flight}]"] = phase["ratio_by_window"]
+        if "ratio_same_cores_by_window" in phase:
+            raw[f"ratio_same_cores[in_flight={in_flight}]"] = phase["ratio_same_cores_by_window"]
+        raw[f"swarm_cpu_ms_per_micro_batch[in_flight={in_flight}]"] = phase["cpu_ms_per_micro_batch_by_window"]
+    for name, values in probe["all"].items():
+        raw[f"rpc_round_trip_ms[{name}]"] = values
+    return raw
+
+
+def record_headline(summary: Dict[str, Any]) -> Dict[str, Any]:
+    keys = ("swarm_tokens_per_s", "single_tokens_per_s", "ratio", "single_same_cores_tokens_per_s", "ratio_same_cores",
+            "swarm_cpu_ms_per_micro_batch", "single_cpu_ms_per_micro_batch", "single_same_cores_cpu_ms_per_micro_batch",
+            "cpu_ratio_swarm_vs_single", "pipeline_bound_ratio", "rpc_overhead_ms", "single_threads", "direct_port")
+    return {key: summary.get(key) for key in keys}
+
+
+RECORD_NOTES = [
+    "ratio = the swarm's tokens/s (max_in_flight 4) over one process with one torch thread, in windows that "
+    "alternate with the swarm's (the swarm stopped meanwhile); ratio_same_cores = over one process given "
+    "single_threads torch threads, measured in the same pauses.",
+    "CPU ms per micro-batch: the swarm's counts every process it runs (peers, p2pd daemons, DHT processes, the "
+    "trainer); the one-thread process's is its thread's CPU time, the multi-thread one's its whole process's.",
+    "Raw values: one per window (single_*, ratio*, swarm_cpu_*) or per probe call (rpc_round_trip_ms).",
+    "On a machine shared with other work the multi-thread process's threads wait for each other (and spin) at "
+    "every parallel region: when its CPU ms per micro-batch is far above the one-thread process's, ratio_same_cores "
+    "measures that load rather than what the extra cores buy.",
+]
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _records import add_record_arguments, write_record  # noqa: E402
 from _swarm import FAST_PEER, LiveSwarm, counts, install_signal_handlers, log, make_log_dir, online  # noqa: E402
 
 MODEL = ["--num_layers", "4", "--hidden_size", "96", "--num_heads", "4", "--seq_len", "32"]
@@ -60,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup_s", type=float, default=6.0, help="balanced run: seconds of training before its window")
     p.add_argument("--settle_s", type=float, default=6.0, help="imbalanced run: seconds after 2+2 before its window")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    add_record_arguments(p)
     return p.parse_args(argv)
 
 
@@ -196,5 +198,18 @@ async def main(args) -> Dict[str, Any]:
 
 if __name__ == "__main__":
     install_signal_handlers()
-    result = asyncio.run(main(parse_args()))
+    arguments = parse_args()
+    result = asyncio.run(main(arguments))
+    write_record("rebalance", arguments, result,
+                 raw={"stage1_samples_per_s_before": [result["throughput_before_rebalance"]],
+                      "stage1_samples_per_s_after": [result["throughput_after_rebalance"]],
+                      "stage1_samples_per_s_balanced": [result["throughput_balanced_from_start"]],
+                      "seconds_to_rebalance": [result["seconds_to_rebalance"]]},
+                 headline={key: result[key] for key in (
+                     "throughput_after_rebalance_ratio", "seconds_to_rebalance", "move_began_s",
+                     "throughput_before_rebalance", "throughput_after_rebalance", "throughput_balanced_from_start",
+                     "before_over_balanced", "still_2_2_at_end", "period_s")},
+                 notes=["One imbalanced (3+1) and one balanced (2+2) run, each a fresh swarm: one value each, "
+                        "no spread.",
+                        "Throughput = stage 1's samples/s over a window (every sample passes stage 1 once)."])
     print(json.dumps(result), flush=True)

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _records import add_record_arguments, write_record  # noqa: E402
 from _swarm import FAST_PEER, TINY_MODEL, install_signal_handlers, log, make_log_dir  # noqa: E402
 from peers.launcher import RoleProcess, stop_all  # noqa: E402
 from peers.netns import Hosts, namespaces_unavailable  # noqa: E402
@@ -50,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration_s", type=float, default=300.0, help="seconds the trainer runs, from the peer's start")
     p.add_argument("--cells", default="relayed,direct", help="which cells to run, comma-separated")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    add_record_arguments(p)
     return p.parse_args(argv)
 
 
@@ -114,4 +116,13 @@ def main(args) -> List[Dict[str, Any]]:
 
 if __name__ == "__main__":
     install_signal_handlers()
-    print(json.dumps(main(parse_args())), flush=True)
+    arguments = parse_args()
+    cells = main(arguments)
+    write_record("relay", arguments, cells,
+                 raw={f"{key}[{c['cell']}]": [c.get(key)] for c in cells for key in ("first_sample_s", "tokens_per_s")},
+                 headline=[{k: c.get(k) for k in ("cell", "reachability", "first_sample_s", "tokens_per_s", "samples")}
+                           for c in cells],
+                 notes=["One trainer run per cell: one value each, no spread.",
+                        "first_sample_s counts from the peer's ready event; in the relayed cell it is the wait for "
+                        "the relay reservation."])
+    print(json.dumps(cells), flush=True)

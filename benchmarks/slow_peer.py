@@ -15,15 +15,20 @@ steps and averaging, which on machines of their own is all it can cost them. For
 Its log's stand-by line (``standing by on stage 0: ...``), if any, is reported. First, the simulator's
 account of the same scenario (:mod:`swarm.simulate.slow_peer`), with and without the policy, is logged.
 
-``--slow_replica_tolerance 0`` runs the trainers with throughput-proportional routing alone (the
-behaviour before the slow-replica policy); the default is the trainers' default.
+Policy on and off: every repeat runs the scenario with the trainers' standby policy on (``--slow_replica_tolerance``,
+by default the trainers' own default) and off (``--slow_replica_tolerance 0``: throughput-proportional routing
+alone, the behaviour before the policy), each in a fresh swarm, taking turns (on, off, then off, on, ...) so that
+a slow spell of the shared machine hits both alike. ``--policies on`` or ``--policies off`` runs one of them.
 
 The last line is a JSON list, one entry per slowdown:
-``[{"slowdown": 5, "throughput_ratio_after_vs_before": ..., ...}, {"slowdown": 50, ...}]``.
-Defaults take about 20 minutes on a 2-core machine (three fresh swarms per slowdown, the run of median
-ratio reported, every ratio beside it); the figures are noisy when other work runs.
+``[{"slowdown": 5, "throughput_ratio_after_vs_before": ..., "throughput_ratio_after_vs_before_policy_off": ...,
+"policy_off": {...}, "simulated": {...}, ...}, {"slowdown": 50, ...}]``: the top-level figures are those of the
+policy-on run of median ratio (of the policy-off one with ``--policies off``), ``policy_off`` the policy-off run of
+median ratio, every ratio beside them. Defaults take about 40 minutes on a 2-core machine (three fresh swarms per
+slowdown and policy); the figures are noisy when other work runs.
 
-Usage: python benchmarks/slow_peer.py [--slowdowns 5,50] [--repeats 3] [--window_s 60] [--periods live|fast] [--slow_replica_tolerance 0] [--log_dir DIR]
+Usage: python benchmarks/slow_peer.py [--slowdowns 5,50] [--repeats 3] [--window_s 60] [--periods live|fast]
+       [--policies on,off] [--slow_replica_tolerance 2] [--log_dir DIR]
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _records import add_record_arguments, take_turns, write_record  # noqa: E402
 from _swarm import FAST_PEER, LiveSwarm, counts, install_signal_handlers, log, make_log_dir, online  # noqa: E402
 from _roles import cpu_seconds_by_kind, machine_busy_seconds  # noqa: E402
 from peers.launcher import RoleProcess  # noqa: E402
@@ -48,6 +54,7 @@ from swarm.simulate.slow_peer import SlowPeerScenario, compare  # noqa: E402
 
 MODEL = ["--num_layers", "2", "--hidden_size", "64", "--num_heads", "2", "--seq_len", "32"]
 STANDBY_MARK = "standing by on stage"
+POLICIES = ("on", "off")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup_s", type=float, default=15.0, help="seconds of training before the first window")
     p.add_argument("--settle_s", type=float, default=10.0, help="seconds after a join or a leave before the next window")
     p.add_argument("--slow_replica_tolerance", type=float, default=None,
-                   help="the trainers' --slow_replica_tolerance (0 = throughput-proportional routing alone); default: theirs")
+                   help="the trainers' --slow_replica_tolerance in the policy-on runs; default: theirs")
+    p.add_argument("--policies", default="on,off",
+                   help="which runs per repeat: on (the standby policy), off (--slow_replica_tolerance 0), or both")
     p.add_argument("--slow_nice", type=int, default=0,
                    help="niceness of the slow replica's processes: 19 lets them use only CPU the others leave idle, as "
                         "if it ran on its own machine (on one machine its DHT, averaging and p2pd take cores from the "
@@ -77,8 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the peers' announce, poll and matchmaking periods: live = a peer's defaults, fast = the tests' "
                         "shorter ones (more DHT work per second, which on one machine takes cores from the swarm)")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    add_record_arguments(p)
     args = p.parse_args(argv)
     args.slowdown_list = [float(s) for s in args.slowdowns.split(",") if s.strip()]
+    args.policy_list = [x.strip() for x in args.policies.split(",") if x.strip()]
+    policies = args.policy_list
+    if not policies or any(x not in POLICIES for x in policies) or len(set(policies)) < len(policies):
+        p.error(f"--policies must name on, off or both, got {args.policies!r}")
+    if args.slow_replica_tolerance == 0 and "on" in args.policy_list:
+        p.error("--slow_replica_tolerance 0 turns the policy off: pass --policies off (the policy-off runs use 0)")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if not args.slowdown_list or any(s < 1 for s in args.slowdown_list):
@@ -194,9 +210,14 @@ async def one_slowdown(swarm: LiveSwarm, args, slowdown: float, index: int) -> D
             "stood_by": bool(lines), "standby_line": STANDBY_MARK + lines[0].split(STANDBY_MARK, 1)[-1] if lines else None}
 
 
-def make_swarm(args, log_dir: Path, label: str) -> LiveSwarm:
+def tolerance_for(policy: str, args) -> Optional[float]:
+    """The trainers' --slow_replica_tolerance in a run of ``policy``: 0 turns the policy off; None leaves theirs."""
+    return 0.0 if policy == "off" else args.slow_replica_tolerance
+
+
+def make_swarm(args, log_dir: Path, label: str, tolerance: Optional[float]) -> LiveSwarm:
     run_id = f"bench_slow_{label}_{uuid.uuid4().hex[:6]}"
-    routing = [] if args.slow_replica_tolerance is None else ["--slow_replica_tolerance", str(args.slow_replica_tolerance)]
+    routing = [] if tolerance is None else ["--slow_replica_tolerance", str(tolerance)]
     return LiveSwarm(log_dir, run_id,
                      run_args=["--num_stages", "2", "--target_batch_size", str(args.target_batch_size), *MODEL],
                      peer_args=[] if args.periods == "live" else [*FAST_PEER],
@@ -223,9 +244,10 @@ async def bring_up(swarm: LiveSwarm, args) -> None:
     await asyncio.sleep(args.warmup_s)
 
 
-async def one_swarm(args, log_dir: Path, slowdown: float, index: int, repeat: int) -> Dict[str, Any]:
+async def one_swarm(args, log_dir: Path, slowdown: float, index: int, repeat: int, policy: str) -> Dict[str, Any]:
     """A fresh balanced swarm, then the slow replica's join: one before/after pair of windows."""
-    swarm = make_swarm(args, log_dir, f"{slowdown:g}x_r{repeat}")
+    tolerance = tolerance_for(policy, args)
+    swarm = make_swarm(args, log_dir, f"{slowdown:g}x_{policy}_r{repeat}", tolerance)
     try:
         await bring_up(swarm, args)
         result = await one_slowdown(swarm, args, slowdown, index)
@@ -233,11 +255,12 @@ async def one_swarm(args, log_dir: Path, slowdown: float, index: int, repeat: in
         result["global_steps"] = max((r.step for r in records.values()), default=0)
         result["rounds_applied_alone"] = sum(count_lines(p.log_path, "applying it alone") for p in swarm.processes
                                              if p.role == "peer")
-        result["slow_replica_tolerance"] = args.slow_replica_tolerance
+        result["slow_replica_tolerance"], result["policy"] = tolerance, policy
         result["slow_nice"] = args.slow_nice
         result["periods"], result["delay_per_sample_s"] = args.periods, args.delay_per_sample_s
         result["load_avg_1m"] = round(os.getloadavg()[0], 2)
-        log(f"[{slowdown:g}x] repeat {repeat + 1}/{args.repeats}: ratio {result['throughput_ratio_after_vs_before']}")
+        log(f"[{slowdown:g}x] policy {policy}, repeat {repeat + 1}/{args.repeats}: ratio "
+            f"{result['throughput_ratio_after_vs_before']}")
         return result
     finally:
         await asyncio.to_thread(swarm.close)
@@ -250,6 +273,36 @@ def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return {**runs[ranked[(len(runs) - 1) // 2]], "ratios": ratios, "repeats": len(runs)}
 
 
+def combine_policies(slowdown: float, runs: Dict[str, List[Dict[str, Any]]],
+                     simulated: Dict[str, Optional[float]]) -> Dict[str, Any]:
+    """One slowdown's entry: the policy-on median run's figures at the top (the policy-off one's if only it ran),
+    the policy-off median run beside them, and the simulator's ratios for both."""
+    medians = {policy: median_run(found) for policy, found in runs.items() if found}
+    top = medians.get("on") or medians["off"]
+    entry = {**top, "slowdown": slowdown, "simulated": simulated}
+    off = medians.get("off")
+    if off is not None and top is not off:
+        entry["policy_off"] = off
+        entry["throughput_ratio_after_vs_before_policy_off"] = off["throughput_ratio_after_vs_before"]
+        entry["ratios_policy_off"] = off["ratios"]
+        entry["slow_replica_share_of_stage0_policy_off"] = off["slow_replica_share_of_stage0"]
+    return entry
+
+
+def median_of_policy(entry: Dict[str, Any], policy: str) -> Optional[Dict[str, Any]]:
+    """The median run of ``policy`` in a slowdown's entry (see :func:`combine_policies`), or None if it did not run."""
+    if entry.get("policy") == policy:
+        return entry
+    return entry.get("policy_off") if policy == "off" else None
+
+
+def simulated_ratios(simulated: Dict[str, List[Dict[str, float]]], slowdown: float) -> Dict[str, Optional[float]]:
+    """The simulator's after/before ratio at ``slowdown``, with the policy ("on") and without it ("off")."""
+    def ratio(rows: List[Dict[str, float]]) -> Optional[float]:
+        return next((r["throughput_ratio_after_vs_before"] for r in rows if r["slowdown"] == slowdown), None)
+    return {"on": ratio(simulated["policy"]), "off": ratio(simulated["naive"])}
+
+
 async def main(args) -> List[Dict[str, Any]]:
     log_dir = make_log_dir(args.log_dir, "bench_slow_peer_")
     wall = time.monotonic()
@@ -257,12 +310,43 @@ async def main(args) -> List[Dict[str, Any]]:
     log("simulated (swarm/simulate/slow_peer.py), throughput ratio after/before by slowdown: policy "
         f"{[(r['slowdown'], r['throughput_ratio_after_vs_before']) for r in simulated['policy']]}, throughput-proportional "
         f"routing alone {[(r['slowdown'], r['throughput_ratio_after_vs_before']) for r in simulated['naive']]}")
-    results = []
+    results, every_run = [], []
     for index, slowdown in enumerate(args.slowdown_list):
-        runs = [await one_swarm(args, log_dir, slowdown, index, repeat) for repeat in range(args.repeats)]
-        results.append(median_run(runs))
+        runs: Dict[str, List[Dict[str, Any]]] = {policy: [] for policy in args.policy_list}
+        for repeat in range(args.repeats):
+            for policy in take_turns(args.policy_list, repeat):
+                runs[policy].append(await one_swarm(args, log_dir, slowdown, index, repeat, policy))
+        every_run += [run for found in runs.values() for run in found]
+        results.append(combine_policies(slowdown, runs, simulated_ratios(simulated, slowdown)))
     log(f"done in {time.monotonic() - wall:.0f}s; load {os.getloadavg()}")
+    record(args, results, every_run)
     return results
+
+
+def record(args, results: List[Dict[str, Any]], runs: List[Dict[str, Any]]) -> None:
+    """The run's record: every swarm's ratio, rates and share, by slowdown and policy."""
+    raw: Dict[str, List[Any]] = {}
+    for run in runs:
+        cell = f"[{run['slowdown']:g}x, policy {run['policy']}]"
+        for key in ("throughput_ratio_after_vs_before", "samples_per_s_before", "samples_per_s_after",
+                    "slow_replica_share_of_stage0"):
+            raw.setdefault(f"{key}{cell}", []).append(run.get(key))
+    headline = []
+    for entry in results:
+        row: Dict[str, Any] = {"slowdown": entry["slowdown"]}
+        for policy in POLICIES:
+            run = median_of_policy(entry, policy) or {}
+            row[f"ratio_policy_{policy}"] = run.get("throughput_ratio_after_vs_before")
+            row[f"share_policy_{policy}"] = run.get("slow_replica_share_of_stage0")
+            row[f"stood_by_policy_{policy}"] = run.get("stood_by")
+        headline.append({**row, "simulated_on": entry["simulated"]["on"], "simulated_off": entry["simulated"]["off"]})
+    write_record("slow_peer", args, results, raw=raw, headline=headline, notes=[
+        "ratio = stage 1's samples/s after the slow replica joined stage 0 over before, in one fresh swarm; the "
+        "headline is the run of median ratio per slowdown and policy, the raw values every run's.",
+        "policy on: the trainers' standby policy (--slow_replica_tolerance, default theirs); off: "
+        "--slow_replica_tolerance 0, throughput-proportional routing alone. The runs take turns, on/off then off/on.",
+        "share = the slow replica's share of stage 0's samples in the after window.",
+        "simulated_*: swarm/simulate/slow_peer.py's account of the same scenario."])
 
 
 if __name__ == "__main__":

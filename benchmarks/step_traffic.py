@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _roles import cpu_seconds_by_kind  # noqa: E402
+from _records import add_record_arguments, write_record  # noqa: E402
 from _swarm import TINY_MODEL, LiveSwarm, free_port, install_signal_handlers, log, make_log_dir  # noqa: E402
 
 NUM_STAGES = 2
@@ -52,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window_s", type=float, default=60.0, help="seconds between the two scrapes")
     p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    add_record_arguments(p)
     args = p.parse_args(argv)
     args.targets = [int(t) for t in args.target_batch_sizes.split(",")]
     if args.replicas < 1 or args.window_s <= 0 or any(t <= 0 for t in args.targets):
@@ -132,4 +134,18 @@ async def main(args) -> List[Dict[str, Any]]:
 
 if __name__ == "__main__":
     install_signal_handlers()
-    print(json.dumps(asyncio.run(main(parse_args()))), flush=True)
+    arguments = parse_args()
+    rows = asyncio.run(main(arguments))
+    write_record("step_traffic", arguments, rows,
+                 raw={f"dht_keys_{op}_per_s[target {r['target_batch_size']}]": r["dht_keys_per_s_by_peer"][op]
+                      for r in rows for op in ("store", "read")},
+                 headline=[{"target_batch_size": r["target_batch_size"], "step_s": r["step_s"],
+                            "samples_per_s": r["samples_per_s"],
+                            "stored_per_s_per_peer": r["dht_keys_per_s_per_peer"]["store"],
+                            "read_per_s_per_peer": r["dht_keys_per_s_per_peer"]["read"],
+                            "main_cores_per_peer": r["cores_per_peer"]["main"],
+                            "helpers_cores_per_peer": r["cores_per_peer"]["helpers"],
+                            "p2pd_cores_per_peer": r["cores_per_peer"]["p2pd"]} for r in rows],
+                 notes=["One swarm per target batch size; raw values are one per peer (DHT keys per second over the "
+                        "window, from its swarm_dht_keys_total counters)."])
+    print(json.dumps(rows), flush=True)

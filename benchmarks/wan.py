@@ -47,6 +47,7 @@ from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _records import add_record_arguments, write_record  # noqa: E402
 from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir  # noqa: E402
 from peers.launcher import RoleProcess, stop_all  # noqa: E402
 from peers.netns import Hosts, NamespacesUnavailable, namespaces_unavailable  # noqa: E402
@@ -69,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
     p.add_argument("--max_in_flight", type=int, default=4, help="micro-batches in flight")
     p.add_argument("--log_dir", default=None, help="where every process writes its log (default: a new temp dir)")
+    add_record_arguments(p)
     return p.parse_args(argv)
 
 
@@ -169,4 +171,16 @@ def main(args) -> List[Dict[str, Any]]:
 
 if __name__ == "__main__":
     install_signal_handlers()
-    print(json.dumps(main(parse_args())), flush=True)
+    arguments = parse_args()
+    cells = main(arguments)
+    raw = {}
+    for c in cells:
+        name = f"[{c['bandwidth_mbit']:g} Mbit/s, {c['compression']}, hidden {c['hidden']}]"
+        raw[f"tokens_per_s{name}"] = [c.get("tokens_per_s")]
+        raw[f"bytes_per_sample{name}"] = [c.get("bytes_per_sample")]
+    write_record("wan", arguments, cells, raw=raw,
+                 headline=[{k: c.get(k) for k in ("bandwidth_mbit", "hidden", "compression", "tokens_per_s",
+                                                  "bytes_per_sample", "loss", "samples", "error")} for c in cells],
+                 notes=["One trainer run per cell (bandwidth x compression x width): one value each, no spread.",
+                        "Links limited with tc tbf: bandwidth only, no latency emulation."])
+    print(json.dumps(cells), flush=True)

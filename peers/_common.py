@@ -1,5 +1,6 @@
 """What every runnable role shares: logging, signal handling, a machine-readable ready line, and
-joining a run from the organiser's signed manifest (``--join ADDRESS``)."""
+joining a run from the organiser's signed manifest (``--join ADDRESS``), and from the organiser too
+the run's tokenizer, if it names one."""
 
 from __future__ import annotations
 
@@ -122,6 +123,47 @@ def fetch_manifest_or_exit(address: str):
             _exit(1, f"cannot get a trustworthy run manifest from {address}: {reason}")
 
 
+TOKENIZER_FETCH_TIMEOUT_S = 120.0  # seconds to reach the organiser and download the run's tokenizer
+
+
+async def fetch_run_tokenizer(address: str, sha256: str, timeout: float = TOKENIZER_FETCH_TIMEOUT_S) -> bytes:
+    """The bytes of the run's tokenizer ``sha256`` from the organiser at ``address``, over a P2P node of its
+    own that lives only for this call (as :func:`fetch_run_manifest`)."""
+    from hivemind.p2p import P2P
+
+    from swarm.dht.manifest import fetch_tokenizer_from
+
+    p2p = await P2P.create(initial_peers=[address], startup_timeout=timeout)
+    try:
+        return await fetch_tokenizer_from(p2p, address, sha256, timeout)
+    finally:
+        await p2p.shutdown()
+
+
+def fetch_tokenizer_or_exit(address: str, sha256: str, cache_dir: str) -> str:
+    """The path of the run's tokenizer ``sha256`` in ``cache_dir``, fetched from the organiser at ``address``
+    unless the cache holds it already; exits with code 1 when it cannot be fetched, is not the file the run
+    names, or cannot be kept."""
+    from swarm.training.tokenizer import TokenizerError, find_cached, store_cached, tokenizer_from_bytes
+
+    cached = find_cached(sha256, cache_dir)
+    if cached is not None:
+        return str(cached)
+    with _quiet_hivemind():
+        try:
+            data = asyncio.run(fetch_run_tokenizer(address, sha256))
+        except TokenizerError as e:  # the organiser's file is not the one its manifest names
+            _exit(1, str(e))
+        except Exception as e:  # p2pd, the network and the reply's checks each raise their own types
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            _exit(1, f"cannot get the run's tokenizer {sha256} from {address}: {reason}")
+    try:
+        tokenizer_from_bytes(data, f"{sha256} from {address}")  # refuse garbage before it is kept
+        return str(store_cached(data, sha256, cache_dir))
+    except TokenizerError as e:
+        _exit(1, str(e))
+
+
 def _exit(code: int, message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -185,14 +227,9 @@ def _quiet_hivemind() -> Iterator[None]:
 
 def parameter_count(model: Any) -> int:
     """Parameters of the whole model of ``model`` (a ModelConfig), counted without allocating them."""
-    import torch
+    from swarm.model.footprint import model_parameter_count
 
-    from swarm.model.gpt import Block
-
-    with torch.device("meta"):
-        per_block = sum(p.numel() for p in Block(model).parameters())
-    h, vocab = model.hidden_size, model.vocab_size
-    return (vocab + model.seq_len) * h + model.num_layers * per_block + 2 * h + h * vocab  # embeddings, blocks, ln_f, head
+    return model_parameter_count(model)
 
 
 def _human(count: int) -> str:
@@ -216,7 +253,9 @@ def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = 
     lines = [f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
              f"{access})",
              f"  model:  {_human(parameter_count(run.model))} parameters ({run.model.num_layers} layers, hidden size "
-             f"{run.model.hidden_size}) cut into {run.num_stages} stages, {run.target_batch_size} samples per global step"]
+             f"{run.model.hidden_size}) cut into {run.num_stages} stages, {run.target_batch_size} samples per global step",
+             f"  tokens: {'bytes' if not run.tokenizer_sha256 else f'the tokenizer {run.tokenizer_sha256}'} "
+             f"(vocabulary {run.model.vocab_size})"]
     if role != "peer":
         return "\n".join(lines + [f"  this {role} will push micro-batches through the pipeline on device {device}"])
     auto = stage == "auto"

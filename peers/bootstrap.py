@@ -3,16 +3,19 @@
 With ``--manifest run.yaml`` it is also the run's organiser: it signs the run's settings with
 its identity key, serves them as the ``manifest`` RPC, keeps them published in the DHT, and
 prints the one-address command volunteers join with (``swarm peer --join ADDRESS``).
+With ``--tokenizer tokenizer.json`` as well, the manifest names that file by its SHA-256 and the
+organiser serves its bytes as the ``tokenizer`` RPC, from which joining trainers fetch it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import yaml
 
@@ -35,6 +38,27 @@ def load_run_manifest(path: str) -> RunConfig:
     return config_from_dict(RunConfig, data if data is not None else {})
 
 
+def attach_tokenizer(run: RunConfig, path: Optional[str]) -> Tuple[RunConfig, Optional[bytes]]:
+    """The run naming the tokenizer at ``path`` by its SHA-256, and the file's bytes to serve.
+
+    Raises :class:`ValueError` (the tokenizer module's ``TokenizerError``) when the file is unusable, when the
+    manifest names another hash, when the model's vocab_size differs from the tokenizer's, or when the
+    manifest names a tokenizer that no ``path`` supplies (joiners could not get it)."""
+    from swarm.training.tokenizer import check_sha256, read_tokenizer_file, tokenizer_from_bytes
+
+    if path is None:
+        if run.tokenizer_sha256:
+            raise ValueError(f"the manifest names the tokenizer {run.tokenizer_sha256}: give its file with "
+                             f"--tokenizer PATH so that joining trainers can fetch it")
+        return run, None
+    data = read_tokenizer_file(path)
+    tokenizer = tokenizer_from_bytes(data, path)
+    if run.tokenizer_sha256:
+        check_sha256(tokenizer.sha256, run.tokenizer_sha256, path)
+    tokenizer.check_vocab_size(run.model.vocab_size)
+    return dataclasses.replace(run, tokenizer_sha256=tokenizer.sha256), data
+
+
 def join_address(maddrs: Sequence[str], peer_id: str) -> str:
     """The address volunteers should join through: a public one if this node has any, else the first."""
     own = [a if "/p2p/" in a else f"{a}/p2p/{peer_id}" for a in maddrs]
@@ -54,11 +78,11 @@ async def _keep_published(dht, signed) -> None:
         await asyncio.sleep(MANIFEST_REPUBLISH_S if ok else MANIFEST_RETRY_S)
 
 
-async def _serve_rpcs(dht, run: Optional[RunConfig]) -> List[asyncio.Task]:
-    """Dial joiners back (their reachability check); as the organiser also sign the manifest, serve it as an
-    RPC and keep it published. Returns the publishing task, if any."""
+async def _serve_rpcs(dht, run: Optional[RunConfig], tokenizer: Optional[bytes] = None) -> List[asyncio.Task]:
+    """Dial joiners back (their reachability check); as the organiser also sign the manifest, serve it (and the
+    run's tokenizer, if any) as an RPC and keep it published. Returns the publishing task, if any."""
     from swarm.dht.node import identity_of
-    from swarm.dht.manifest import MANIFEST_METHOD, manifest_handler, sign_manifest
+    from swarm.dht.manifest import MANIFEST_METHOD, TOKENIZER_METHOD, manifest_handler, sign_manifest, tokenizer_handler
     from swarm.net.reachability import DIAL_BACK_METHOD, dial_back_handler
     from swarm.net.rpc import NAMESPACE, RPCServicer
 
@@ -67,11 +91,13 @@ async def _serve_rpcs(dht, run: Optional[RunConfig]) -> List[asyncio.Task]:
         # seconds since the epoch: a restarted organiser's manifest supersedes its earlier one
         signed = sign_manifest(run, identity_of(dht), revision=int(time.time()))
         handlers[MANIFEST_METHOD] = manifest_handler(signed)
+        if tokenizer is not None:
+            handlers[TOKENIZER_METHOD] = tokenizer_handler(tokenizer)
     await RPCServicer(handlers).add_p2p_handlers(await dht.replicate_p2p(), namespace=NAMESPACE)
     return [] if run is None else [asyncio.create_task(_keep_published(dht, signed))]
 
 
-async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int:
+async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None, tokenizer: Optional[bytes] = None) -> int:
     from swarm.dht.node import start_dht, start_run_dht
     from swarm.net.reachability import RELAY_SERVICE_OPTIONS
 
@@ -90,7 +116,7 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".tmp").write_text("\n".join(maddrs) + "\n")
             path.with_suffix(".tmp").replace(path)  # atomic: readers never see half a file
-        tasks = await _serve_rpcs(dht, run)
+        tasks = await _serve_rpcs(dht, run, tokenizer)
         if run is None:
             emit("bootstrap_ready", peer_id=str(dht.peer_id), maddrs=maddrs)
         else:
@@ -100,8 +126,11 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int
                                "changes on every restart")
             print(f"Run {run.run_id!r} is organised here. Volunteers join with:\n  swarm peer --join {address}\n"
                   f"Trainers with:\n  swarm train --join {address}", flush=True)
+            if tokenizer is not None:
+                print(f"Trainers that join fetch its tokenizer {run.tokenizer_sha256} ({len(tokenizer)} bytes, "
+                      f"vocabulary {run.model.vocab_size}) from here.", flush=True)
             emit("bootstrap_ready", peer_id=str(dht.peer_id), maddrs=maddrs, run_id=run.run_id, join=address,
-                 organiser=dht.identity.peer_id)
+                 organiser=dht.identity.peer_id, tokenizer_sha256=run.tokenizer_sha256)
         await stop.wait()
         return 0
     finally:
@@ -112,12 +141,17 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None) -> int
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     config = parse_role_config(BootstrapConfig, argv, "swarm bootstrap", "Run a DHT entry point for a swarm.")
-    run = None
+    run, tokenizer = None, None
     if config.manifest is not None:
         try:
             run = load_run_manifest(config.manifest)
         except ConfigError as e:
             print(f"error: {config.manifest}: {e}", file=sys.stderr, flush=True)
             return 2
+        try:
+            run, tokenizer = attach_tokenizer(run, config.tokenizer)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
     setup_logging()
-    return asyncio.run(serve(config, run))
+    return asyncio.run(serve(config, run, tokenizer))

@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 SUBCOMMANDS = {
     "peer": ("peers.peer", "serve one pipeline stage"),
+    "faulty_peer": ("peers.faulty_peer", "serve one pipeline stage with an emulated fault (--fault: tests, benchmarks)"),
     "train": ("peers.trainer", "push micro-batches through the swarm"),
     "bootstrap": ("peers.bootstrap", "run a DHT entry point for others to join; with --manifest, organise a run"),
     "demo": ("peers.demo", "start a whole swarm on 127.0.0.1 and train for a while"),
@@ -19,6 +20,9 @@ SUBCOMMANDS = {
     "dashboard": ("peers.dashboard", "serve a live web page of a run: stages, peers, trainers, loss, how to join"),
     "plan": ("peers.plan", "allocate stages over a heterogeneous network"),
     "simulate": ("peers.simulate", "discrete-event simulation of a swarm under churn"),
+    "export": ("peers.export", "write a live run's model as one checkpoint (Hugging Face Llama or our GPT format)"),
+    "generate": ("peers.generate", "continue a prompt with a live run's model, one pipeline forward per token"),
+    "tokenizer": ("peers.tokenizer", "train a byte-level BPE tokenizer on local text; print its hash for the run"),
 }
 
 

@@ -17,15 +17,12 @@ from peers.launcher import RoleProcess
 from peers.status import status_line
 from swarm.config.settings import DemoConfig, NetworkConfig
 from swarm.config.loading import parse_role_config
+from swarm.dashboard.join import run_flags
 
 
 def _run_flags(config: DemoConfig) -> List[str]:
-    run, model, opt = config.run, config.run.model, config.run.optimizer
-    return ["--run_id", run.run_id, "--num_stages", str(run.num_stages), "--seed", str(run.seed),
-            "--target_batch_size", str(run.target_batch_size), "--num_layers", str(model.num_layers),
-            "--hidden_size", str(model.hidden_size), "--num_heads", str(model.num_heads),
-            "--seq_len", str(model.seq_len), "--vocab_size", str(model.vocab_size), "--lr", str(opt.lr),
-            *(["--stage_layers", ",".join(map(str, model.stage_layers))] if model.stage_layers else [])]
+    """Every run setting of the demo as flags, so that whatever ``demo.yaml`` sets reaches every role."""
+    return run_flags(config.run)
 
 
 def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
 from swarm.config.settings import PeerConfig
 from swarm.config.loading import ConfigError
 from swarm.model.devices import check_available, parse_device
+from swarm.model.footprint import StageDoesNotFit, check_peer_fits
 from swarm.metrics import MetricsPortError, PeerSnapshot
 
 logger = logging.getLogger("swarm.peer")
@@ -28,11 +29,14 @@ async def _report_progress(peer, period_s: float) -> None:
         logger.info(progress_line(peer.snapshot()))
 
 
-async def serve(config: PeerConfig) -> int:
+async def serve(config: PeerConfig, prepare: Optional[Callable[[Any], None]] = None) -> int:
+    """Run a stage peer until told to stop; ``prepare`` is given the peer before it starts."""
     from swarm.server.peer import StagePeer
 
     stop = stop_event()
     peer = StagePeer(config)
+    if prepare is not None:
+        prepare(peer)
     reporter = None
     try:
         await peer.start()
@@ -52,21 +56,26 @@ async def serve(config: PeerConfig) -> int:
         peer.shutdown()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, prepare: Optional[Callable[[Any], None]] = None) -> int:
     config, manifest = load_role_config(PeerConfig, argv, "swarm peer", "Serve one pipeline stage of a swarm training run.")
     if manifest is not None:
         print(describe_join("peer", config.run, manifest, config.device, config.stage, config.forward_cache_mb),
               flush=True)
-    try:  # before anything starts: a device this machine lacks is one line, not a traceback after joining
+    try:  # before anything starts: a device this machine lacks, or a stage it cannot hold, is one line
         check_available(parse_device(config.device))
+        if config.stage != "auto":
+            check_peer_fits(config, int(config.stage))
     except ValueError as e:
         fail(str(e))
         return 2
     setup_logging()
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(serve(config, prepare))
     except ConfigError as e:  # settings that differ from the run's peers
         fail(f"invalid configuration: {e}")
+        return 2
+    except StageDoesNotFit as e:  # the stage chosen for it (auto, or a move) needs more memory than it may use
+        fail(str(e))
         return 2
     except MetricsPortError as e:  # a setting to change, like the one above
         fail(f"{e} (choose another --metrics_port)")

@@ -1,14 +1,20 @@
-"""``swarm train``: push micro-batches through the swarm, report loss and speed as it goes."""
+"""``swarm train``: push micro-batches through the swarm, report loss and speed as it goes.
+
+A run that names a tokenizer (``tokenizer_sha256``) needs its file: ``--tokenizer PATH``, the copy cached
+by an earlier join, or, with ``--join ADDRESS``, one fetched from the organiser and cached. Whichever it
+is must have the hash the run names."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from peers._common import describe_join, emit, fail, load_role_config, setup_logging, stop_event
+from peers._common import (describe_join, emit, fail, fetch_tokenizer_or_exit, load_role_config, setup_logging,
+                           stop_event)
 from swarm.config.settings import TrainerConfig
 from swarm.config.loading import ConfigError
 from swarm.metrics import MetricsPortError
@@ -74,8 +80,35 @@ async def train(config: TrainerConfig) -> int:
         trainer.shutdown()
 
 
+def with_run_tokenizer(config: TrainerConfig, manifest: Any) -> TrainerConfig:
+    """``config`` with ``tokenizer`` naming a file of the run's tokenizer, fetched from the organiser into the
+    cache when the trainer joined and has none; unchanged for a byte-token run or a file given locally.
+    The file is checked against the run's hash and vocabulary where it is loaded."""
+    if not config.run.tokenizer_sha256 or config.tokenizer is not None or manifest is None:
+        return config
+    # join_settings puts the organiser's address first among the initial peers
+    address = config.network.initial_peers[0]
+    path = fetch_tokenizer_or_exit(address, config.run.tokenizer_sha256, config.tokenizer_cache_dir)
+    return dataclasses.replace(config, tokenizer=path)
+
+
+def check_run_tokenizer(config: TrainerConfig) -> None:
+    """Load the run's tokenizer once before anything starts, so that a missing, different or mismatched
+    file is refused with its reason at once (ValueError), not after the DHT is up."""
+    if config.run.tokenizer_sha256:
+        from swarm.training.tokenizer import load_run_tokenizer
+
+        load_run_tokenizer(config.tokenizer, config.run.tokenizer_sha256, config.run.model.vocab_size,
+                           config.tokenizer_cache_dir)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     config, manifest = load_role_config(TrainerConfig, argv, "swarm train", "Train a model on a swarm of stage peers.")
+    config = with_run_tokenizer(config, manifest)
+    try:
+        check_run_tokenizer(config)
+    except ValueError as e:
+        return fail(str(e))
     if manifest is not None:
         # the trainer holds no stage: its own compute is sampling data and relaying activations
         print(describe_join("trainer", config.run, manifest, "cpu"), flush=True)

@@ -2,7 +2,8 @@
 
 hivemind 1.1.12 offers no public way to do a few things this system needs: connect p2pd to a peer at given
 addresses, teach a node's DHT protocol to refuse junk, register a tensor codec for the averager's wire
-format, and change how a ``DecentralizedAverager`` forms groups and runs its all-reduce. Each is done here
+format, change how a ``DecentralizedAverager`` forms groups and runs its all-reduce, and stream the state it
+serves without hivemind's whole-tensor serialisation. Each is done here
 and nowhere else, and :data:`PRIVATE_ATTRIBUTES` lists every private name touched, so that
 ``tests/test_hivemind_private.py`` fails with the name that is missing when hivemind changes under it.
 """
@@ -18,7 +19,7 @@ from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.compression.base import CompressionBase
 from hivemind.dht.protocol import DHTProtocol
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client as DaemonClient
 from hivemind.utils.multiaddr import Multiaddr
 
@@ -63,6 +64,8 @@ PRIVATE_ATTRIBUTES: Tuple[PrivateAttribute, ...] = (
     PrivateAttribute(DecentralizedAverager, "_run_allreduce_inplace_", ("tensors", "group_info", "group_id")),
     PrivateAttribute(DecentralizedAverager, "_declare_for_download_periodically", ()),
     PrivateAttribute(DecentralizedAverager, "_shutdown", ("timeout",)),
+    PrivateAttribute(DecentralizedAverager, "_get_current_state_from_host_process", ()),
+    PrivateAttribute(ServicerBase, "_get_handle_name", ("namespace", "method_name")),
 )
 
 
@@ -111,8 +114,19 @@ class PrivateAverager(DecentralizedAverager):
 
     Subclasses override the private hooks listed in :data:`PRIVATE_ATTRIBUTES` (``_step``,
     ``_aggregate_with_group``, ``_run_allreduce_inplace_``, ``_declare_for_download_periodically``,
-    ``_shutdown``); everything they read of the averager's internals goes through the properties below.
+    ``_shutdown``); everything they read of the averager's internals goes through the properties below, and
+    the name its RPCs go by through ``RPC_NAME``.
     """
+
+    RPC_NAME: str | None = None  # the class name its RPCs go by on the wire, subclasses included; None: its own
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        """hivemind names a servicer's RPCs after its class: a subclass (an emulated faulty replica) would neither
+        serve nor reach the RPCs of the class it stands in for. Subclasses of a class that sets ``RPC_NAME``
+        keep that name."""
+        name = f"{cls.RPC_NAME or cls.__name__}.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
 
     @property
     def matchmaking(self) -> Matchmaking:
@@ -136,6 +150,11 @@ class PrivateAverager(DecentralizedAverager):
     def state_updated(self) -> Any:
         """The event set whenever the averager's shared state changes (an ``asyncio.Event`` in the background)."""
         return self._state_updated
+
+    async def current_state_from_host(self) -> Tuple[bytes, Sequence[Any], Any]:
+        """(serialized metadata, tensors, compression infos) of ``get_current_state``, which runs in the process
+        that created the averager; awaited in the background process (as hivemind's download RPC does)."""
+        return await self._get_current_state_from_host_process()
 
     def call_in_background(self, method: str, **kwargs: Any) -> None:
         """Run ``method`` of this averager in its background process, from the process that created it."""

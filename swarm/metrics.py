@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, TypeVar
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -158,7 +160,8 @@ def peer_families(s: PeerSnapshot) -> List[Metric]:
         states.add_metric([state], 1.0 if s.state == state else 0.0)
     families: List[Metric] = [
         _info("peer", s.run_id, s.peer_id), states,
-        _gauge("swarm_peer_stage", "The stage this peer serves (-1 before it chose one)", -1 if s.stage is None else s.stage),
+        _gauge("swarm_peer_stage", "The stage this peer serves (-1 before it chose one)",
+               -1 if s.stage is None else s.stage),
         _gauge("swarm_global_step", "Global steps applied", s.step),
         _counter("swarm_peer_samples_processed", "Samples this replica ran backward for", s.samples_processed),
         _gauge("swarm_peer_samples_applied", "Samples inside the applied global steps", s.samples_applied),
@@ -254,8 +257,8 @@ class MetricsServer:
 
     host: str
     port: int
-    _server: object = field(repr=False)
-    _thread: object = field(repr=False)
+    _server: WSGIServer = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
 
     @property
     def url(self) -> str:

@@ -1,4 +1,5 @@
-"""Private runs: the allowlist decisions, the DHT authorizer, and the stage averager, each with the defence on and off."""
+"""Private runs: the allowlist decisions, the DHT authorizer, and the stage averager, each with the defence on
+and off."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from swarm.model.gpt import ModelConfig
 from swarm.dht.records import manifest_key
 from swarm.server.averaging import StageAverager
 from tests.utils.processes import REPO
+from tests.utils.waiting import await_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
@@ -177,12 +179,22 @@ async def test_outsider_cannot_read_or_write_the_run_dht(identities, defended):
 # ---- the stage averager: members average, an outsider is refused ----
 
 
+AVERAGING_PREFIX = "auth_test_stage0"
+
+
 def _averager(dht: DHT, value: float, allowlist: List[str]) -> StageAverager:
     tensor = torch.full((4,), value)
     return StageAverager([tensor], lambda: ({"value": value}, [tensor]), allowlist=allowlist, dht=dht, start=True,
-                         prefix="auth_test_stage0", min_group_size=2, target_group_size=3, min_matchmaking_time=1.5,
+                         prefix=AVERAGING_PREFIX, min_group_size=2, target_group_size=3, min_matchmaking_time=1.5,
                          request_timeout=0.75, allreduce_timeout=10, next_chunk_timeout=3, allow_state_sharing=True,
                          declare_state_period=0.5, initial_group_bits="0" * 16)
+
+
+def state_declarations(dht: DHT) -> int:
+    """How many averagers ``dht`` sees declared as state donors (hivemind's ``<prefix>.all_averagers`` key,
+    one subkey per averager): what ``load_state_from_peers`` picks a donor from."""
+    found = dht.get(f"{AVERAGING_PREFIX}.all_averagers", latest=True)
+    return len(found.value) if found is not None and isinstance(found.value, dict) else 0
 
 
 async def assert_refuses_group_with_outsider(averager: StageAverager, peer_ids: List[PeerID]) -> None:
@@ -209,7 +221,9 @@ async def test_stage_averager_refuses_an_outsider(defended, caplog):
         dhts += [DHT(initial_peers=maddrs, host_maddrs=LOOPBACK, start=True) for _ in range(2)]
         members = [str(dht.peer_id) for dht in dhts[:2]] if defended else []
         averagers += [_averager(dhts[0], 1.0, members), _averager(dhts[1], 3.0, members), _averager(dhts[2], 100.0, [])]
-        await asyncio.sleep(1.0)  # state-sharing declarations reach the DHT
+        # every averager's state-sharing declaration has reached the DHT, as seen from each node
+        await await_until(lambda: all(state_declarations(dht) == len(averagers) for dht in dhts), 30,
+                          "every averager's state declaration")
 
         results = await asyncio.gather(*(averager.average(0, [torch.full((4,), value)], samples=1, gather={},
                                                           matchmaking_timeout=4, timeout=10)
@@ -245,7 +259,8 @@ def test_private_run_refuses_a_volunteer_outside_the_allowlist(launcher, tmp_pat
     manifest.write_text(f"run_id: {launcher.run_id}\nnum_stages: 2\n"
                         "model: {num_layers: 2, hidden_size: 32, num_heads: 2, seq_len: 16}\n"
                         f"allowlist: [{organiser.peer_id}]\n")
-    boot = launcher.start("bootstrap", ["--manifest", str(manifest), "--identity_path", organiser.path], name="organiser")
+    boot = launcher.start("bootstrap", ["--manifest", str(manifest), "--identity_path", organiser.path],
+                          name="organiser")
     address = boot.wait_event("bootstrap_ready", timeout=60)["join"]
     for extra, expected in (([], "--identity_path"), (["--identity_path", volunteer.path], volunteer.peer_id)):
         result = subprocess.run([sys.executable, "-m", "peers.cli", "peer", "--join", address, *extra], cwd=REPO,
@@ -254,5 +269,6 @@ def test_private_run_refuses_a_volunteer_outside_the_allowlist(launcher, tmp_pat
         assert "private" in result.stderr and expected in result.stderr and "Traceback" not in result.stderr
     # the organiser's DHT refuses a node outside the allowlist outright
     with pytest.raises(RuntimeError, match="ensure_bootstrap_success"):
-        start_dht(NetworkConfig(initial_peers=[address], host_maddrs=LOOPBACK, startup_timeout_s=15), identity=volunteer)
+        start_dht(NetworkConfig(initial_peers=[address], host_maddrs=LOOPBACK, startup_timeout_s=15),
+                  identity=volunteer)
     assert boot.proc.poll() is None, "the organiser must keep running"

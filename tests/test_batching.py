@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from swarm.config.settings import RunConfig
-from swarm.model.gpt import ModelConfig, build_stage
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import build_stage
 from swarm.policy.poisoning import PoisoningConfig
 from swarm.server.batching import ForwardBatcher
 from swarm.server.runner import StageRunner

@@ -3,26 +3,44 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
+
+import pytest
+
+from tests.utils.probe import online
+from tests.utils.processes import REPO, TINY_MODEL, RoleProcess, wait_for_log_lines
+from tests.utils.waiting import await_until, wait_until
+
+# a trainer's progress line once it has sent samples (it logs one every --log_period_s)
+SENT_SOME = re.compile(r"\bsamples +[1-9][0-9]* +loss ")
+DRAIN_WINDOW_S = 3.0  # a trainer that leaves without draining is gone well within this after SIGTERM
 
 
-from tests.utils.processes import REPO, TINY_MODEL
+def _group_exists(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def group_is_empty(pid: int, timeout: float = 10.0) -> bool:
     """True once no process of the role's process group (p2pd daemons included) is left."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.2)
-    return False
+    try:
+        wait_until(lambda: not _group_exists(pid), timeout, f"process group {pid} to end")
+    except TimeoutError:
+        return False
+    return True
+
+
+def wait_until_sent_some(trainer: RoleProcess, timeout: float = 60.0) -> None:
+    """Until the trainer's log says it sent samples: what a test that stops it and counts them needs."""
+    wait_for_log_lines(trainer, SENT_SOME.search, timeout, "progress line with samples sent")
 
 
 def test_help_and_unknown_command():
@@ -80,27 +98,28 @@ def test_trainer_finishes_and_stops_on_sigterm(launcher):
     assert group_is_empty(status.pid)
     endless = launcher.trainer()
     endless.wait_event("trainer_ready", timeout=60)
-    time.sleep(2)
+    wait_until_sent_some(endless)
     endless.signal(signal.SIGTERM)
     assert endless.proc.wait(timeout=60) == 0
     assert endless.wait_event("trainer_done", timeout=5)["samples_sent"] > 0
     assert group_is_empty(endless.pid)
 
 
-def test_a_second_sigterm_cuts_a_trainers_drain_short(launcher):
+async def test_a_second_sigterm_cuts_a_trainers_drain_short(launcher, probe):
     """A stopping trainer waits for live replicas to hold what it sent; with every replica gone it would wait
     its whole bound, so a second SIGTERM (or Ctrl-C) leaves at once."""
-    launcher.bootstrap()
+    # the probe fixture started the run's bootstrap
     peers = [launcher.peer(stage, target_batch_size=100_000) for stage in (0, 1)]  # no step ever commits a sample
     trainer = launcher.trainer(target_batch_size=100_000, extra=["--peer_grace_s", "1"])
     trainer.wait_event("trainer_ready", timeout=60)
-    time.sleep(2)
+    wait_until_sent_some(trainer)
     for peer in peers:
         peer.kill_group()
-    time.sleep(6)  # their records expire (3 s) and the trainer's grace passes: it knows its samples are held nowhere
+    # their records expire (3 s): every reader of the DHT, the trainer too, sees its samples held nowhere
+    await probe.wait_for(lambda r: not online(r, 0) and not online(r, 1), 30, "the killed peers' records to expire")
     trainer.signal(signal.SIGTERM)
-    time.sleep(3)
-    assert trainer.proc.poll() is None, "nothing it sent is held any more: the first SIGTERM drains"
+    with pytest.raises(subprocess.TimeoutExpired):  # nothing it sent is held any more: the first SIGTERM drains
+        trainer.proc.wait(timeout=DRAIN_WINDOW_S)
     trainer.signal(signal.SIGTERM)
     assert trainer.proc.wait(timeout=15) == 0
     done = trainer.wait_event("trainer_done", timeout=5)
@@ -114,8 +133,8 @@ def test_demo_runs_and_stops_everything(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "peers.cli", "demo", "--duration_s", "10", "--peers_per_stage", "1", "--num_trainers",
          "1", "--log_period_s", "3", "--max_data_mb", "1", "--target_batch_size", "32", "--run_id", run_id,
-         "--work_dir", str(tmp_path), "--dashboard_port", "0", *TINY_MODEL], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+         "--work_dir", str(tmp_path), "--dashboard_port", "0", *TINY_MODEL], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=180)
     finally:
@@ -135,7 +154,6 @@ def test_demo_runs_and_stops_everything(tmp_path):
 
 async def test_a_task_that_lost_p2pd_is_one_line_and_other_failures_keep_their_traceback(caplog):
     import gc
-    import logging
 
     from peers._common import stop_event
 
@@ -147,11 +165,15 @@ async def test_a_task_that_lost_p2pd_is_one_line_and_other_failures_keep_their_t
 
     stop_event()  # installs the role's exception handler on this loop
     tasks = [asyncio.create_task(lost()), asyncio.create_task(bug())]
-    await asyncio.sleep(0.05)
+    await asyncio.wait(tasks)  # both failed; asyncio.wait leaves their exceptions unretrieved
+
+    def reported() -> bool:
+        return any("never retrieved" in r.getMessage() for r in caplog.records)
+
     with caplog.at_level(logging.INFO):
         del tasks
-        gc.collect()
-        await asyncio.sleep(0.05)
+        gc.collect()  # a task's exception is reported when the task is collected
+        await await_until(reported, 10, "the collected tasks' exceptions to be reported")
     lost_lines = [r for r in caplog.records if "lost its connection to p2pd" in r.getMessage()]
     assert len(lost_lines) == 1 and lost_lines[0].levelno == logging.INFO and lost_lines[0].exc_info is None
     bug_lines = [r for r in caplog.records if "never retrieved" in r.getMessage()]

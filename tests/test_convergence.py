@@ -1,40 +1,64 @@
-"""2 stages x 2 replicas with 2 trainers reach, after the same number of samples, a validation
-loss within 5% of single-process training of the same model from the same initialisation; a second
-swarm with activations, their gradients and the stage all-reduce compressed to int8 ends within 1%
-of where the uncompressed swarm ends, each against its own single-process baseline (what compression
-costs, apart from what training in a swarm costs)."""
+"""2 stages x 2 replicas with 2 trainers train the model: every sample the trainers send ends up in an
+applied global step or in the step still open (none lost; one counted twice only where its micro-batch was
+re-sent or failed half-way), the validation loss falls clearly below where it started, and it ends near where
+single-process training of the same model from the same initialisation ends after as many samples in as many
+steps. The same holds for a swarm whose activations, their gradients and stage all-reduce are compressed to
+int8.
+
+The bounds are set from measured run-to-run noise. How close a swarm comes to one process is a benchmark's
+figure; a test that asserts it tightly fails on noise. Measured on this project's 2-core machine, shared with
+other jobs (load average 10 to 28), the excess of the swarm's validation loss over its single-process baseline
+was, in 8 runs of each swarm:
+  uncompressed: -0.19% to +0.74% (+0.06, +0.13, +0.20, +0.21, +0.32, +0.67, +0.74, -0.19; earlier, +1.87%);
+  int8:         -0.26% to +0.58% (+0.11, +0.14, +0.19, +0.37, +0.43, +0.43, +0.58, -0.26; earlier, +0.51%).
+Every swarm's loss fell by 1.60 to 1.84 nats from 5.53 (each baseline's by 1.63 to 1.86). MAX_EXCESS is 2.7
+times the largest excess seen and MIN_FALL under two thirds of the smallest fall. In one run of the 16 a stage
+held a re-sent micro-batch twice (8 samples), which the bound on samples allows.
+"""
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
-from typing import Sequence, Tuple
+from dataclasses import dataclass
+from typing import List, Sequence
 
+import pytest
 import torch
 
+from swarm.dht.records import PeerRecord
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from swarm.training.data import load_corpus, validation_batches
-from swarm.training.single_process import evaluate, train_single_process
-from swarm.model.gpt import FullModel, ModelConfig
 from swarm.training.optimizer import OptimizerConfig
-from tests.utils.probe import Probe, online
-from tests.utils.processes import Launcher
+from swarm.training.single_process import evaluate, train_single_process
+from tests.utils.probe import online
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
-TARGET, PER_TRAINER, LR = 64, 640, 0.003
+TARGET, PER_TRAINER, BATCH, LR = 64, 640, 8, 0.003
+MIN_FALL = 1.0  # nats of validation loss a swarm must shed from its initial value
+MAX_EXCESS = 0.05  # relative excess of a swarm's validation loss over its single-process baseline
 
 
-async def train_and_compare(launcher, probe, extra: Sequence[str] = ()) -> Tuple[float, float]:
-    """Train the swarm (every role given ``extra``), then the baseline on as many samples in as many
-    steps, uncompressed in one process; returns (swarm loss, baseline loss) on the same validation batches."""
+@dataclass
+class SwarmRun:
+    """What a trained swarm leaves once its last global step settled."""
+
+    sent: int  # samples the trainers sent, each counted once (when its micro-batch went through)
+    repeatable: int  # samples a stage may hold twice: those of re-sent micro-batches and of failed ones
+    last_stage: List[PeerRecord]  # the records of the last stage's replicas
+    model: FullModel  # the swarm's parameters
+
+
+async def train(launcher, probe, extra: Sequence[str]) -> SwarmRun:
+    """Train the swarm, every role given ``extra``, and wait until its last global step settles."""
     args = ["--lr", str(LR), *extra]
     launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, extra=args, wait=False)
                          for stage in (0, 0, 1, 1)])
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
     trainers = [launcher.trainer(target_batch_size=TARGET, extra=[*args, "--max_samples", str(PER_TRAINER),
-                                                                   "--trainer_seed", str(i), "--max_in_flight", "2"])
+                                                                   "--batch_size", str(BATCH), "--trainer_seed",
+                                                                   str(i), "--max_in_flight", "2"])
                 for i in (1, 2)]
-    total = sum(t.wait_event("trainer_done", timeout=240)["samples_sent"] for t in trainers)
-    assert total == 2 * PER_TRAINER
+    done = [t.wait_event("trainer_done", timeout=240) for t in trainers]
 
     def settled(r) -> bool:
         return (len(r) == 4 and len({x.step for x in r.values()}) == 1 and not any(x.samples_frozen for x in r.values())
@@ -47,47 +71,39 @@ async def train_and_compare(launcher, probe, extra: Sequence[str] = ()) -> Tuple
         with torch.no_grad():
             for param, value in zip(model.stages[stage].parameters(), exported["parameters"]):
                 param.copy_(value)
+    return SwarmRun(sent=sum(d["samples_sent"] for d in done),
+                    repeatable=BATCH * sum(d["resent"] + d["failed"] for d in done),
+                    last_stage=online(records, 1), model=model)
+
+
+# a live swarm of six roles: on a 2-core machine that other jobs share it can outlast the suite's 300 s bound
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_swarm_trains_and_ends_near_single_process(launcher, probe, compression):
+    swarm = await train(launcher, probe, [] if compression == "none" else ["--compression", compression])
+    launcher.close()  # the swarm's processes: the baseline below gets the cores to itself
+    steps = swarm.last_stage[0].step
+    applied = max(r.samples_applied for r in swarm.last_stage)
+    held = applied + sum(r.samples_pending for r in swarm.last_stage)
 
     corpus = load_corpus(None, max_bytes=2 * 2**20)
     batches = validation_batches(corpus.validation, MODEL.seq_len, batch_size=32, num_batches=8)
     initial = evaluate(FullModel(MODEL, num_stages=2, seed=0), batches)
-    swarm_loss = evaluate(model, batches)
+    swarm_loss = evaluate(swarm.model, batches)
     # a global step closes once the stage holds *at least* TARGET samples, so with micro-batches in
     # flight steps run a little larger; the baseline takes the same samples in the same number of steps
-    steps = next(iter(records.values())).step
-    applied = max(r.samples_applied for r in online(records, 1))
     local, _ = train_single_process(MODEL, 2, 0, OptimizerConfig(lr=LR), batch_size=round(applied / steps),
                                     num_steps=steps, sampler_seed=7, corpus=corpus)
     local_loss = evaluate(local, batches)
-    print(f"validation loss {' '.join(extra) or '(uncompressed)'}: initial {initial:.4f}, swarm {swarm_loss:.4f}, "
-          f"single process {local_loss:.4f} ({(swarm_loss - local_loss) / local_loss:+.2%}); "
-          f"{steps} global steps of {applied / steps:.1f} samples on average (target {TARGET})")
-    assert applied >= steps * TARGET and applied <= total
-    assert initial - local_loss > 0.5, "the baseline must learn something for the comparison to mean anything"
-    return swarm_loss, local_loss
+    excess = (swarm_loss - local_loss) / local_loss
+    print(f"validation loss {compression}: initial {initial:.4f}, swarm {swarm_loss:.4f}, single process "
+          f"{local_loss:.4f} ({excess:+.2%}); {steps} global steps of {applied / steps:.1f} samples on average "
+          f"(target {TARGET}); sent {swarm.sent}, held {held} (applied {applied}), up to {swarm.repeatable} twice")
 
-
-async def test_swarm_matches_single_process_and_int8_matches_the_uncompressed_swarm(launcher, probe, tmp_path):
-    swarm_loss, local_loss = await train_and_compare(launcher, probe)
-    assert abs(swarm_loss - local_loss) <= 0.05 * local_loss
-    launcher.close()  # the uncompressed swarm's processes: the int8 swarm gets the cores to itself
-    compressed = Launcher(_empty(tmp_path / "int8"), run_id=f"t{uuid.uuid4().hex[:8]}")
-    try:
-        compressed.bootstrap()
-        compressed_probe = Probe(compressed.initial_peers, compressed.run_id)
-        try:
-            int8_loss, int8_local_loss = await train_and_compare(compressed, compressed_probe, ["--compression", "int8"])
-        finally:
-            compressed_probe.shutdown()
-    finally:
-        compressed.close()
-    # two swarm runs close different numbers of global steps (steps run past the target by what is in
-    # flight), so each is compared with its own baseline, and compression's cost is the difference
-    excess, int8_excess = (swarm_loss - local_loss) / local_loss, (int8_loss - int8_local_loss) / int8_local_loss
-    print(f"loss over single process: uncompressed {excess:+.2%}, int8 {int8_excess:+.2%}")
-    assert abs(int8_excess - excess) <= 0.01
-
-
-def _empty(path: Path) -> Path:
-    path.mkdir()
-    return path
+    assert swarm.sent == 2 * PER_TRAINER
+    assert steps * TARGET <= applied, "a global step closed short of the target"
+    assert swarm.sent <= held, "samples sent are in no step"
+    assert held <= swarm.sent + swarm.repeatable, "samples counted twice without a re-send"
+    assert initial - local_loss > MIN_FALL, "the baseline must learn something for the comparison to mean anything"
+    assert initial - swarm_loss > MIN_FALL, f"the swarm did not train: {initial:.4f} -> {swarm_loss:.4f}"
+    assert abs(excess) <= MAX_EXCESS, f"{excess:+.2%} from single-process training"

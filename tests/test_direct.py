@@ -18,6 +18,7 @@ from swarm.net.direct import (FRAME_HEADER, SALT_BYTES, SESSION_ID_BYTES, Direct
                           OversizedReply, Sealer, connection_key, listen_hosts)
 from swarm.net.rpc import RPCServicer, payload_timeout
 from swarm.net.wire import decode, encode
+from tests.utils.waiting import await_until
 
 PEER = "QmdSCT8eDgt5Du6FbMUEWJHpNRDeYGrCsWDX2c6MTiTmW6"  # the server's peer id, as the caller knows it
 CALLER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"  # the caller's peer id, as p2pd told the server
@@ -93,10 +94,7 @@ class _Served:
 
         client = DirectClient(p2p or _P2P(), ask)
         assert client.channel(PEER) is None  # opened in the background
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-            if client.channel(PEER) is not None:
-                break
+        await await_until(lambda: client.channel(PEER), 10, "the direct channel to open")
         return client
 
 
@@ -154,7 +152,9 @@ async def test_an_oversized_request_is_refused_unread_and_the_next_call_opens_a_
         channel = client.channel(PEER)
         reply = decode(await client.call(PEER, channel, "echo", _request([0.5] * 4096), 2**20))
         assert reply["kind"] == "bad_request" and "exceeds" in reply["error"] and served.callers == []
-        await asyncio.sleep(0.05)
+        # the server closed the connection it could not skip the request on; the client notices at its next read
+        await await_until(lambda: channel.idle and channel.idle[0].reader.at_eof(), 10,
+                          "the refused connection's close to reach the client")
         reply = decode(await client.call(PEER, client.channel(PEER), "echo", _request([1.0]), 2**20))
         assert reply["doubled"].tolist() == [2.0] and served.callers == [CALLER]
 
@@ -185,7 +185,8 @@ async def test_a_closed_port_leaves_the_peer_to_p2pd():
 
     client = DirectClient(_P2P(), ask)
     assert client.channel(PEER) is None
-    await asyncio.sleep(0.3)
+    await await_until(lambda: PEER in client._retry_at and PEER not in client._opening, 10,
+                      "the attempt at the closed port to end")
     assert client.channel(PEER) is None and PEER in client._retry_at
 
 
@@ -197,7 +198,8 @@ async def test_a_malformed_session_offer_is_not_used(offer):
 
     client = DirectClient(_P2P(), ask)
     client.channel(PEER)
-    await asyncio.sleep(0.05)
+    await await_until(lambda: PEER in client._retry_at and PEER not in client._opening, 10,
+                      "the malformed offer to be turned down")
     assert client.channel(PEER) is None and PEER in client._retry_at
 
 
@@ -254,10 +256,7 @@ async def test_a_recorded_connection_replayed_reaches_no_handler():
         channel.port = relay.sockets[0].getsockname()[1]
         await client.call(PEER, channel, "echo", _request([1.0]), 2**20)
         channel.close()  # ends the recorded connection
-        for _ in range(100):
-            if recorded:
-                break
-            await asyncio.sleep(0.01)
+        await await_until(lambda: recorded, 10, "the relay to record the connection")
         relay.close()
         assert served.callers == [CALLER] and recorded
         reader, writer = await asyncio.open_connection("127.0.0.1", served.server.port)

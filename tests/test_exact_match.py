@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm.model.gpt import FullModel, ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from tests.utils.probe import online
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)

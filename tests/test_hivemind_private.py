@@ -73,3 +73,16 @@ def test_a_missing_attribute_is_named():
     assert "Bare.gone is gone" in missing_private_attributes(PrivateAttribute(Bare, "gone"))
     assert "no longer takes ['peer_id']" in missing_private_attributes(PrivateAttribute(Bare, "method", ("peer_id",)))
     assert missing_private_attributes(PrivateAttribute(Bare, "method", ("other",))) == ""
+
+
+def test_subclasses_of_an_averager_with_an_rpc_name_keep_it():
+    """An emulated faulty replica (a subclass) serves and calls its RPCs under the name honest replicas use."""
+    class Honest(PrivateAverager):
+        RPC_NAME = "Honest"
+
+    class Faulty(Honest):
+        pass
+
+    assert Faulty._get_handle_name("run_stage0", "rpc_download_state") == "run_stage0::Honest.rpc_download_state"
+    assert Faulty._get_handle_name(None, "rpc_join_group") == Honest._get_handle_name(None, "rpc_join_group")
+    assert PrivateAverager._get_handle_name(None, "rpc_join_group") == "PrivateAverager.rpc_join_group"

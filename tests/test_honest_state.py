@@ -21,6 +21,7 @@ from swarm.policy.joining import StateClaim, StateSources, check_downloaded_stat
 from swarm.dht.records import PeerRecord
 from swarm.server.checkpoints import Checkpointer, checkpoint_path, load_checkpoint, save_checkpoint
 from swarm.server.faults import corrupt_state
+from swarm.server.compute import ComputeThread
 from swarm.server.joining import Joining
 from swarm.server.runner import StageRunner, parameter_digest
 from tests.utils.probe import online
@@ -168,13 +169,10 @@ class FakePeer:
         self.peer_id, self.stage, self.run = "joiner", 0, replace(RUN, defences=defences)
         self.config, self.records = FakeConfig(), records
         self.runner, self.averager, self.steps = StageRunner(RUN, 0), FakeAverager(served), FakeSteps()
-        self.checkpoints = FakeCheckpoints()
+        self.checkpoints, self.compute = FakeCheckpoints(), ComputeThread()
 
     async def fetch_records(self) -> Dict[str, PeerRecord]:
         return self.records
-
-    async def compute(self, fn, *args):
-        return fn(*args)
 
 
 class PoisonerFirst:
@@ -318,9 +316,7 @@ class CheckpointPeer:
     def __init__(self, directory: Path):
         self.config = FakeConfig(checkpoint_dir=str(directory))
         self.run, self.stage, self.state, self.runner = RUN, 0, "online", StageRunner(RUN, 0)
-
-    async def compute(self, fn, *args):
-        return fn(*args)
+        self.compute = ComputeThread()
 
     def shared_state(self):
         return self.runner.state_metadata(), self.runner.state_tensors()

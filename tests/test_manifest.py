@@ -16,7 +16,8 @@ from swarm.config.loading import ConfigError
 from swarm.dht.identity import load_or_create_identity
 from swarm.dht.manifest import (ManifestError, SignedManifest, check_against_manifest, join_settings, peer_id_in_address,
                             run_differences, run_hash, sign_manifest, verify_manifest)
-from swarm.model.gpt import FullModel, ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from swarm.training.optimizer import OptimizerConfig
 from tests.utils.processes import FAST_PEER, REPO, wait_for_log_lines
 

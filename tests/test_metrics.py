@@ -22,7 +22,8 @@ from swarm.metrics import (
     MetricsPortError, PeerSnapshot, TrainerSnapshot, count_ban, count_dht, count_rpc_bytes, method_label, new_registry,
     observe_allreduce, peer_families, start_metrics_server, trainer_families,
 )
-from swarm.model.gpt import ModelConfig, build_stage
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import build_stage
 from tests.utils.processes import REPO
 
 TINY = ModelConfig(num_layers=3, hidden_size=32, num_heads=2, seq_len=16)

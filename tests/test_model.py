@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from swarm.model.gpt import FullModel, ModelConfig, StageModule, build_stage, layer_ranges
+from swarm.model.gpt import ModelConfig, PipelineStage, StageModule, layer_ranges
+from swarm.model.stages import FullModel, build_stage
 
 CONFIG = ModelConfig(vocab_size=256, seq_len=16, num_layers=4, hidden_size=32, num_heads=4)
 
@@ -136,7 +137,7 @@ def test_shorter_sequences_are_causal():
     assert torch.allclose(full[:, :5], prefix, atol=1e-5)
 
 
-def _good_inputs(stage: StageModule, batch: int = 2):
+def _good_inputs(stage: PipelineStage, batch: int = 2):
     inputs = _tokens(batch) if stage.is_first else torch.randn(batch, CONFIG.seq_len, CONFIG.hidden_size)
     targets = _tokens(batch) if stage.is_last else None
     return inputs, targets
@@ -161,7 +162,8 @@ _BAD_CASES = {
     "first: huge batch": (FIRST, torch.zeros(5000, T, dtype=torch.long), None, "batch size"),
     "first: token too big": (FIRST, torch.full((2, T), 256), None, r"\[0, 256\)"),
     "first: negative token": (FIRST, torch.full((2, T), -1), None, r"\[0, 256\)"),
-    "first: unexpected targets": (FIRST, torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long), "only accepted by the last"),
+    "first: unexpected targets": (FIRST, torch.zeros(2, T, dtype=torch.long), torch.zeros(2, T, dtype=torch.long),
+                                  "only accepted by the last"),
     "first: not a tensor": (FIRST, [[1, 2]], None, "torch.Tensor"),
     "middle: int tokens": (MIDDLE, torch.zeros(2, T, H, dtype=torch.long), None, "float32"),
     "middle: float64": (MIDDLE, torch.zeros(2, T, H, dtype=torch.float64), None, "float32"),
@@ -198,3 +200,27 @@ def test_explicit_stage_layers_split():
     assert len(full.stages[0].blocks) == 1 and len(full.stages[1].blocks) == 3
     tokens = torch.randint(0, 256, (2, 16))
     torch.testing.assert_close(full(tokens, tokens), even(tokens, tokens))  # same network, cut elsewhere
+
+
+def test_mlp_width_defaults_to_four_times_hidden_and_follows_intermediate_size():
+    fc = build_stage(CONFIG, 0, 2, seed=0).blocks[0].mlp.fc
+    assert fc.weight.shape == (4 * CONFIG.hidden_size, CONFIG.hidden_size)
+    narrow = ModelConfig(vocab_size=256, seq_len=16, num_layers=4, hidden_size=32, num_heads=4, intermediate_size=48)
+    stage = build_stage(narrow, 1, 2, seed=0)
+    assert stage.blocks[0].mlp.fc.weight.shape == (48, 32) and stage.blocks[0].mlp.proj.weight.shape == (32, 48)
+
+
+def test_logits_and_checkpoint_names_of_the_last_stage():
+    stages = [build_stage(CONFIG, i, 2, seed=6) for i in range(2)]
+    tokens = _tokens()
+    hidden = stages[0](tokens)
+    logits = stages[1].logits(hidden)
+    assert logits.shape == (3, CONFIG.seq_len, CONFIG.vocab_size)
+    torch.testing.assert_close(stages[1](hidden, tokens), torch.nn.functional.cross_entropy(
+        logits.reshape(-1, CONFIG.vocab_size), tokens.reshape(-1)), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="only the last stage"):
+        stages[0].logits(tokens)
+    names = stages[1].checkpoint_names()
+    assert names["blocks.0.attn.qkv.weight"] == "blocks.2.attn.qkv.weight"
+    assert names["lm_head.weight"] == "lm_head.weight"
+    assert set(stages[0].checkpoint_names().values()).isdisjoint(names.values())

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from swarm.config.settings import RunConfig
-from swarm.model.gpt import FullModel, ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from swarm.training.optimizer import OptimizerConfig, batch_share, make_optimizer, optimizer_step
 from swarm.server.runner import StageRunner
 

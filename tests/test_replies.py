@@ -224,6 +224,16 @@ def test_check_reply_accepts_honest_replies_and_names_the_problem():
                                            hidden_size=HIDDEN)
 
 
+
+def test_a_logits_reply_is_checked_like_any_tensor():
+    """A generation forward asks the last stage for the logits of the last position: (batch, vocab) float32."""
+    inputs, vocab = torch.ones(BATCH, SEQ, HIDDEN), 11
+    last = dict(method="forward", stage=2, num_stages=3, inputs=inputs, hidden_size=HIDDEN, logits_of=vocab)
+    assert check_reply({"logits": torch.zeros(BATCH, vocab)}, **last) is None
+    assert "'logits' is missing" in check_reply({"loss": 1.0}, **last)
+    assert f"expected {(BATCH, vocab)}" in check_reply({"logits": torch.zeros(BATCH, vocab + 1)}, **last)
+    assert "NaN or inf" in check_reply({"logits": torch.full((BATCH, vocab), float("nan"))}, **last)
+
 def test_judge_failure():
     assert judge_failure(BadReply("p", 1, "NaN")).action == "ban"
     assert judge_failure(RemoteError("x", "busy")).action == "pause"

@@ -4,6 +4,7 @@ and the honest members end with identical, finite results; without the defence t
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import List, Optional
 
@@ -14,7 +15,7 @@ from swarm.config.settings import NetworkConfig
 from swarm.dht.node import start_dht
 from swarm.policy.aggregation import AggregationConfig, robust_aggregate
 from swarm.server.averaging import RoundResult, StageAverager
-from swarm.server.faults import GradientFault
+from swarm.server.faults import FaultyAverager, GradientFault
 
 SHAPES = [torch.zeros(64, 8), torch.zeros(32)]
 SAMPLES = 16
@@ -31,11 +32,12 @@ class Group:
                 network = NetworkConfig(initial_peers=self._initial_peers())
                 dht = start_dht(network)
                 self.dhts.append(dht)
-                self.averagers.append(StageAverager(
+                averager = StageAverager if fault == "none" else functools.partial(FaultyAverager, fault=fault)
+                self.averagers.append(averager(
                     SHAPES, lambda: ({}, []), dht=dht, start=True, prefix=prefix, min_group_size=2,
                     min_matchmaking_time=matchmaking_time, request_timeout=1.0, allreduce_timeout=30.0,
                     next_chunk_timeout=6.0,
-                    initial_group_bits="0" * 16, fault=fault, aggregation=AggregationConfig() if robust else None,
+                    initial_group_bits="0" * 16, aggregation=AggregationConfig() if robust else None,
                     signing_key=dht.identity.private_key, compression=compression))
         except BaseException:
             self.close()
@@ -114,7 +116,8 @@ async def test_a_full_group_averages_at_once_instead_of_waiting_out_the_matchmak
     elapsed = time.monotonic() - started
     assert all(r is not None and len(r.included) == 3 for r in results)
     assert all(torch.equal(flat(results[0].tensors), flat(r.tensors)) for r in results[1:])
-    assert elapsed < 6.0, f"the full group waited {elapsed:.1f}s, as if for more members"
+    # held open, the group would start after the whole 12 s; everything below that is margin for a loaded machine
+    assert elapsed < 10.0, f"the full group waited {elapsed:.1f}s, as if for more members"
 
 
 def test_a_full_group_is_no_smaller_than_the_smallest_allowed():
@@ -148,7 +151,7 @@ async def test_without_the_defence_nan_and_sign_flip_get_in(group_factory):
     group = group_factory(["none", "none", "none", "nan_gradients"], robust=False)
     results = await group.round(grads)
     assert all(r is not None and not bool(torch.isfinite(flat(r.tensors)).all()) for r in results[:3])
-    group.averagers[3]._fault.fault = "sign_flip_gradients"  # applied in this process, before the round
+    group.averagers[3]._gradient_fault.fault = "sign_flip_gradients"  # applied in this process, before the round
     results = await group.round(grads)
     assert all(float(torch.linalg.vector_norm(flat(r.tensors) - honest_mean)) > 100 * spread for r in results[:3])
 
@@ -202,7 +205,8 @@ async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_
     ban it, and the model they train ends as good as single-process training on the same samples."""
     from swarm.training.data import load_corpus, validation_batches
     from swarm.training.single_process import evaluate, train_single_process
-    from swarm.model.gpt import FullModel, ModelConfig
+    from swarm.model.gpt import ModelConfig
+    from swarm.model.stages import FullModel
     from swarm.training.optimizer import OptimizerConfig
     from tests.utils.probe import online
 

@@ -3,7 +3,8 @@ import torch
 
 from swarm.training.data import load_corpus, validation_batches
 from swarm.training.single_process import evaluate, train_single_process
-from swarm.model.gpt import FullModel, ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from swarm.training.optimizer import OptimizerConfig
 
 TINY = ModelConfig(vocab_size=256, seq_len=32, num_layers=2, hidden_size=32, num_heads=2)

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import torch
 
+from swarm.server.compute import ComputeThread
+from swarm.server.lifecycle import PeerState
 from swarm.server.handlers import StageHandlers
 
 CALLER = "QmCaller"
@@ -30,13 +32,9 @@ class BlockedSteps:
 
 def fake_peer(steps: BlockedSteps) -> SimpleNamespace:
     runner = SimpleNamespace(version=(0, "d0"), resets=0, backward=lambda *args: (torch.zeros(2, 3), None, 0))
-
-    async def compute(fn, *args):
-        return fn(*args)
-
-    return SimpleNamespace(state="online", stage=0, config=SimpleNamespace(max_batch_samples=64, fault="none"),
-                           steps=steps, runner=runner, in_flight=0, queued=0, backward_batcher=None,
-                           compute=compute, notify_progress=lambda: None)
+    return SimpleNamespace(state=PeerState.ONLINE, stage=0, config=SimpleNamespace(max_batch_samples=64),
+                           steps=steps, runner=runner, backward_batcher=None, compute=ComputeThread(),
+                           notify_progress=lambda: None)
 
 
 def request(n: int) -> dict:
@@ -52,13 +50,13 @@ async def test_a_backward_cancelled_while_it_waits_for_room_leaves_nothing_in_fl
     handlers = StageHandlers(peer)
     waiting = asyncio.create_task(handlers.backward(request(1), CALLER))
     await asyncio.sleep(0.05)
-    assert peer.in_flight == 1, "the waiting backward is in flight"
+    assert peer.compute.in_flight == 1, "the waiting backward is in flight"
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
-    assert peer.in_flight == 0
+    assert peer.compute.in_flight == 0
     assert steps.admitted == 0 and steps.released == [], "nothing was admitted, so nothing is released"
     # a backward let in does its work and releases what it was admitted for
     steps.room.set()
     reply = await handlers.backward(request(2), CALLER)
     assert reply["grad_inputs"].shape == (2, 3)
-    assert peer.in_flight == 0 and steps.admitted == 0 and steps.released == [2]
+    assert peer.compute.in_flight == 0 and steps.admitted == 0 and steps.released == [2]

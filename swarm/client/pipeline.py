@@ -27,7 +27,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -44,8 +44,12 @@ from swarm.policy.snapshot import PeerInfo
 from swarm.net.dialing import is_routing_failure
 from swarm.net.rpc import RemoteError, call_peer
 
-if TYPE_CHECKING:
-    from swarm.client.verification import ReplyVerifier
+
+class ReplyChecker(Protocol):
+    """Spot-checks a replica's reply on other replicas (:class:`swarm.client.verification.ReplyVerifier`)."""
+
+    async def check(self, stage: int, method: str, message: Mapping[str, Any], reply: Dict[str, Any],
+                    peer_id: str, timeout: float) -> Dict[str, Any]: ...
 
 __all__ = ["PipelineClient", "StageUnavailable", "Unauthorized", "BadReply", "FailureVerdict", "check_reply",
            "judge_failure", "HIDDEN_DTYPE"]
@@ -83,17 +87,20 @@ def encoded_float_bytes(elements: int, compression: str, block_size: int) -> int
 # ---- checking replies (pure) ----
 
 def check_reply(reply: Any, *, stage: int, num_stages: int, method: str, inputs: Any,
-                hidden_size: int) -> Optional[str]:
+                hidden_size: int, logits_of: int = 0) -> Optional[str]:
     """Why ``reply`` to ``method`` on ``stage`` (called with ``inputs``) cannot be used, or None if it can.
 
     Forward below the last stage: finite ``outputs`` of shape (batch, seq_len, hidden_size) in
-    :data:`HIDDEN_DTYPE`. Forward of the last stage (evaluation): a finite ``loss``. Backward: a
-    ``step``; on the last stage also a ``loss``; above stage 0 also finite ``grad_inputs`` of the
-    inputs' shape and dtype."""
+    :data:`HIDDEN_DTYPE`. Forward of the last stage: a finite ``loss`` (evaluation), or, when the request asked
+    for the logits of a vocabulary of ``logits_of`` tokens (generation), finite ``logits`` of shape (batch,
+    logits_of) in :data:`HIDDEN_DTYPE`. Backward: a ``step``; on the last stage also a ``loss``; above stage 0
+    also finite ``grad_inputs`` of the inputs' shape and dtype."""
     if not isinstance(reply, Mapping):
         return f"the reply is a {type(reply).__name__}, not a map"
     last = stage == num_stages - 1
     if method == "forward":
+        if last and logits_of:
+            return _check_tensor(reply, "logits", (int(inputs.shape[0]), logits_of), HIDDEN_DTYPE)
         if last:
             return _check_loss(reply)
         expected = (*tuple(inputs.shape[:2]), hidden_size)
@@ -188,7 +195,7 @@ class PipelineClient:
         self.forward_timeout_s, self.backward_timeout_s, self.max_retries = forward_timeout_s, backward_timeout_s, max_retries
         self.on_stale_snapshot = on_stale_snapshot or (lambda: None)
         self.busy_pause_s = busy_pause_s
-        self.verifier: Optional[ReplyVerifier] = None  # spot-checks replies on other replicas (set by the trainer)
+        self.verifier: Optional[ReplyChecker] = None  # spot-checks replies on other replicas (set by the trainer)
         self.attack = TrainerAttack()  # what an emulated poisoning trainer does to its gradients (set by the trainer)
         self.in_flight: Dict[str, int] = {}  # peer id -> this trainer's calls to it under way (routing weighs them)
 
@@ -292,7 +299,8 @@ class PipelineClient:
 
     def _check(self, peer_id: str, stage: int, method: str, message: Mapping[str, Any], reply: Any) -> None:
         reason = check_reply(reply, stage=stage, num_stages=self.num_stages, method=method,
-                             inputs=message.get("inputs"), hidden_size=self.model.hidden_size)
+                             inputs=message.get("inputs"), hidden_size=self.model.hidden_size,
+                             logits_of=self.model.vocab_size if message.get("logits") is True else 0)
         if reason is not None:
             raise BadReply(peer_id, stage, reason)
 

@@ -17,8 +17,9 @@ import itertools
 import math
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple, Union
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
@@ -31,7 +32,9 @@ from swarm.client.ledger import Contribution, Ledger, LedgerPolicy, StepKey, par
 from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
 from swarm.client.verification import ReplyVerifier
 from swarm.config.settings import TrainerConfig
-from swarm.training.data import BatchSampler, Corpus, load_corpus, load_hf_dataset, validation_batches
+from swarm.training.data import Corpus, load_corpus, load_hf_dataset, validation_batches
+from swarm.training.tokenized import TokenizedCorpus, load_tokenized_corpus, make_sampler
+from swarm.training.tokenizer import load_run_tokenizer
 from swarm.dht.node import start_run_dht
 from swarm.dht.directory import Directory
 from swarm.dht.store import fetch_records, store_record
@@ -56,8 +59,15 @@ ACCUSATIONS_PERIOD_S = 5.0  # seconds between reads of the run's accusations
 ACCUSATION_EXPIRATION_S = 300.0  # seconds an accusation stays in the DHT
 
 
-def load_trainer_corpus(config: TrainerConfig) -> Corpus:
+def load_trainer_corpus(config: TrainerConfig) -> Union[Corpus, TokenizedCorpus]:
+    """Byte tokens; or, in a run that names a tokenizer, its token ids, tokenized ahead in a background thread."""
     max_bytes = None if config.max_data_mb is None else int(config.max_data_mb * 2**20)
+    run = config.run
+    if run.tokenizer_sha256:
+        tokenizer = load_run_tokenizer(config.tokenizer, run.tokenizer_sha256, run.model.vocab_size,
+                                       config.tokenizer_cache_dir)
+        return load_tokenized_corpus(tokenizer, run.model.seq_len, config.trainer_seed, config.data or None,
+                                     hf_dataset=config.hf_dataset, max_bytes=max_bytes)
     if config.hf_dataset:
         return load_hf_dataset(config.hf_dataset, max_bytes=max_bytes)
     return load_corpus(config.data or None, max_bytes=max_bytes)
@@ -96,7 +106,8 @@ class TrainerMetrics:
 class Trainer:
     """Use ``await start()``, then ``await train()``, ``await drain()``, and ``shutdown()``."""
 
-    def __init__(self, config: TrainerConfig, dht: Optional[DHT] = None, corpus: Optional[Corpus] = None):
+    def __init__(self, config: TrainerConfig, dht: Optional[DHT] = None,
+                 corpus: Optional[Union[Corpus, TokenizedCorpus]] = None):
         self.config, self.run = config, config.run
         self.dht, self.corpus = dht, corpus
         self.metrics = TrainerMetrics()
@@ -107,6 +118,8 @@ class Trainer:
         self._snapshot: Tuple[PeerInfo, ...] = ()
         self._shunned: Set[str] = set()  # replicas most of whose stage-mates banned them from averaging
         self._refresh_now = asyncio.Event()
+        self._settled = asyncio.Event()  # set each time the ledger was settled against the records
+        self._sampling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-sampling")
         self._resending: Set[Tuple[str, int]] = set()
         self._asking: Set[StepKey] = set()
         # (peer id, stage) -> when a DHT read last showed that peer online at that stage
@@ -132,13 +145,15 @@ class Trainer:
             self.dht = start_run_dht(self.config.network, self.run, client_mode=not self.config.serve_dht)
         if self.corpus is None:
             self.corpus = await asyncio.get_running_loop().run_in_executor(None, load_trainer_corpus, self.config)
-        self.sampler = BatchSampler(self.corpus.train, self.run.model.seq_len, self.config.batch_size,
+        self.sampler = make_sampler(self.corpus, self.run.model.seq_len, self.config.batch_size,
                                     seed=self.config.trainer_seed)
         p2p = await self.dht.replicate_p2p()
         await check_run_agreement(p2p, await self._fetch_records(strict=False), self.run)
         self.client = PipelineClient(
-            p2p, self.run.num_stages, lambda: self._snapshot, Router(seed=self.config.trainer_seed, slow_tolerance=self.config.slow_replica_tolerance or math.inf), self.ledger,
-            model=self.run.model, forward_timeout_s=self.config.forward_timeout_s, backward_timeout_s=self.config.backward_timeout_s,
+            p2p, self.run.num_stages, lambda: self._snapshot,
+            Router(seed=self.config.trainer_seed, slow_tolerance=self.config.slow_replica_tolerance or math.inf),
+            self.ledger, model=self.run.model, forward_timeout_s=self.config.forward_timeout_s,
+            backward_timeout_s=self.config.backward_timeout_s,
             max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set,
             compression=self.run.compression, block_size=self.run.compression_block_size)
         self.client.attack = self.attack
@@ -218,14 +233,15 @@ class Trainer:
                          if now - entry[0] < self.config.peer_grace_s}
         resolution = self.ledger.resolve(records, {key: now - seen for key, seen in self._last_serving.items()},
                                          {key: answers for key, (_, answers) in self._members.items()})
+        self._settled.set()  # the ledger may have shrunk: workers waiting for room look again
         for item in resolution.resend:
             key = (item.micro_batch_id, item.stage)
             if key not in self._resending:
                 self._resending.add(key)
                 asyncio.create_task(self._resend(item, key))
-        for key in resolution.ask - self._asking:
-            self._asking.add(key)
-            asyncio.create_task(self._ask_members(key))
+        for step_key in resolution.ask - self._asking:
+            self._asking.add(step_key)
+            asyncio.create_task(self._ask_members(step_key))
 
     async def _resend(self, item: Contribution, key: Tuple[str, int]) -> None:
         try:
@@ -318,7 +334,11 @@ class Trainer:
         """Memory bound: the ledger keeps each stage's input of every unconfirmed micro-batch, so stop
         drawing new ones while ``max_uncommitted`` micro-batches await their global step."""
         while len(self.ledger) >= self.config.max_uncommitted * self.run.num_stages and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+            self._settled.clear()
+            try:
+                await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return
 
     async def _worker(self, deadline: float) -> None:
         """Push micro-batches until done; a micro-batch that fails for any reason is logged, counted and
@@ -330,7 +350,8 @@ class Trainer:
             if self.config.max_samples is not None:
                 batch = min(batch, self.config.max_samples - self._reserved)
             self._reserved += batch
-            inputs, targets = self.sampler.sample()
+            # drawn off the event loop (a tokenized corpus may make it wait for text), on one thread, in order
+            inputs, targets = await asyncio.get_running_loop().run_in_executor(self._sampling, self.sampler.sample)
             inputs, targets = inputs[:batch], self.attack.targets(targets[:batch])
             micro_batch_id = f"{self.trainer_id}:{next(self._ids)}"
             try:
@@ -382,6 +403,9 @@ class Trainer:
     def shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self._sampling.shutdown(wait=False, cancel_futures=True)
+        if self.corpus is not None:
+            self.corpus.close()  # a tokenized corpus stops its tokenizing thread
         if self.dht is not None and self.dht.is_alive():
             self.dht.shutdown()
         server, self.metrics_server = self.metrics_server, None

@@ -16,6 +16,7 @@ from swarm.net.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from swarm.model.devices import parse_device
 from swarm.model.gpt import ModelConfig
 from swarm.training.optimizer import OptimizerConfig
+from swarm.training.tokenizer import DEFAULT_CACHE_DIR
 from swarm.policy.aggregation import AggregationConfig
 from swarm.policy.rebalance import RebalanceConfig
 from swarm.dht.records import validate_run_id
@@ -24,6 +25,7 @@ __all__ = ["RunConfig", "NetworkConfig", "PeerConfig", "TrainerConfig", "Bootstr
 
 
 _BASE58_PEER_ID = re.compile(r"^[1-9A-HJ-NP-Za-km-z]{32,128}$")
+_TOKENIZER_SHA256 = re.compile(r"^([0-9a-f]{64})?$")
 
 
 def _positive(name: str, value: float) -> None:
@@ -51,9 +53,11 @@ class RunConfig:
     defences: bool = True  # Byzantine defences (robust averaging, state checks, per-micro-batch clipping, verification); off only to measure them
     compression: str = "none"  # how activations, their gradients and the stage all-reduce travel: none (exact), fp16 or int8 (lossy, 2x and ~4x fewer bytes)
     compression_block_size: int = 256  # values per int8 block, each with its own scale (64-4096): smaller is more precise, larger sends fewer scales
+    tokenizer_sha256: str = ""  # SHA-256 of the run's tokenizer.json (64 hex characters; `swarm tokenizer` prints it); "" = byte tokens (vocab_size 256)
 
     def __post_init__(self) -> None:
         validate_run_id(self.run_id)
+        self._check_tokenizer()
         for index, peer_id in enumerate(self.allowlist):
             if not isinstance(peer_id, str) or not _BASE58_PEER_ID.match(peer_id):
                 raise ValueError(f"allowlist[{index}] must be a base58 peer id (like 12D3KooW... or Qm...), got {peer_id!r}")
@@ -61,12 +65,21 @@ class RunConfig:
             raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
         if self.num_stages > self.model.num_layers:
             raise ValueError(f"num_stages ({self.num_stages}) cannot exceed num_layers ({self.model.num_layers})")
+        if self.model.tie_embeddings and self.num_stages > 1:
+            raise ValueError("model.tie_embeddings shares the embedding with the LM head, which live on the first and "
+                             f"last of {self.num_stages} stages (different peers): tie them only in a 1-stage run")
         if self.model.stage_layers and len(self.model.stage_layers) != self.num_stages:
             raise ValueError(f"stage_layers {self.model.stage_layers} must name one block count per stage "
                              f"({self.num_stages} stages)")
         if not isinstance(self.target_batch_size, int) or self.target_batch_size < 1:
             raise ValueError(f"target_batch_size must be a positive integer, got {self.target_batch_size!r}")
         self._check_compression()
+
+    def _check_tokenizer(self) -> None:
+        if not isinstance(self.tokenizer_sha256, str) or not _TOKENIZER_SHA256.match(self.tokenizer_sha256.lower()):
+            raise ValueError(f"tokenizer_sha256 must be 64 hex characters (the SHA-256 of the tokenizer.json) or empty "
+                             f"for byte tokens, got {self.tokenizer_sha256!r}")
+        self.tokenizer_sha256 = self.tokenizer_sha256.lower()  # one spelling per hash: equal settings, equal run hash
 
     def _check_compression(self) -> None:
         if self.compression not in CODECS:
@@ -114,11 +127,29 @@ class PeerConfig:
     state_download_timeout_s: float = 60.0  # seconds to download a stage's state from a replica
     overlap_averaging: bool = False  # keep computing the next step's gradients while a step is averaged: faster, but those gradients are one step stale
     max_batch_samples: int = 512  # largest request (samples) this peer accepts, and the most samples merged into one module call
-    merge_backward: bool = False  # merge concurrent backward requests of one shape into one vectorised call, each micro-batch still clipped and accounted alone (costs more CPU than it saves on CPU; see swarm/server/batching.py)
-    speed_test_samples: int = 8  # made-up samples this peer times itself on when it starts (again when its speed figure goes stale, and every 30 s while it stands by), so that it announces a speed before trainers send it work; 0 = off: announce 0 until measured on served calls
-    forward_cache_mb: float = 512.0  # MiB of training forwards' autograd state kept so that their backward skips recomputing the forward (oldest dropped first; 0 = always recompute)
+    merge_backward: bool = field(default=False, metadata={"help": (
+        "merge concurrent backward requests of one shape into one vectorised call, each micro-batch still "
+        "clipped and accounted alone (costs more CPU than it saves on CPU; see swarm/server/batching.py)")})
+    speed_test_samples: int = field(default=8, metadata={"help": (
+        "made-up samples this peer times itself on when it starts (again when its speed figure goes stale, "
+        "and every 30 s while it stands by), so that it announces a speed before trainers send it work; 0 = "
+        "off: announce 0 until measured on served calls")})
+    max_memory_gb: float = field(default=0.0, metadata={"help": (
+        "GB (10^9 bytes) this peer may use for its stage, host and device together (see "
+        "swarm.model.footprint.stage_memory); a stage that needs more is refused, and --stage auto picks only "
+        "stages that fit; 0 = no limit (on CUDA the device's free memory still bounds the device's part)")})
+    memory_batch_samples: int = 8  # samples per request the memory check assumes for activations (the trainers' batch_size)
+    checkpoint_activations: bool = False  # recompute each block's activations in backward instead of keeping them (less memory, about a third more compute)
+    dtype: str = field(default="fp32", metadata={"help": (
+        "compute dtype: fp32, bf16 (autocast; CPU or a GPU with bf16) or fp16 (CUDA autocast with dynamic "
+        "loss scaling); weights, optimizer state and averaged gradients stay float32")})
+    forward_cache_mb: float = field(default=512.0, metadata={"help": (
+        "MiB of training forwards' autograd state kept so that their backward skips recomputing the forward "
+        "(oldest dropped first; 0 = always recompute)")})
     max_message_mb: float = 64.0  # largest request this peer accepts (MiB)
-    direct_port: int = 0  # TCP port where callers that reach it send large requests around p2pd, sealed with a key they got through p2pd (0 = any free port; -1 = off: every call goes through p2pd)
+    direct_port: int = field(default=0, metadata={"help": (
+        "TCP port where callers that reach it send large requests around p2pd, sealed with a key they got "
+        "through p2pd (0 = any free port; -1 = off: every call goes through p2pd)")})
     max_requests_per_caller: int = 64  # requests one caller may have in flight at this peer; more are answered 'busy'
     max_mb_per_caller: float = 256.0  # MiB of requests one caller may have in flight at this peer (at least max_message_mb)
     leave_timeout_s: float = 10.0  # seconds a leaving peer waits for in-flight requests (SIGTERM)
@@ -130,15 +161,10 @@ class PeerConfig:
     metrics_port: int = 0  # serve Prometheus metrics at http://metrics_host:PORT/metrics; 0 = off
     metrics_host: str = "127.0.0.1"  # address the metrics server listens on; 0.0.0.0 lets other machines scrape it
     log_period_s: float = 10.0  # seconds between progress lines (state, step, samples processed, throughput)
-    fault: str = "none"  # emulate a faulty replica that corrupts its replies (tests and attack benchmarks): one of swarm.server.faults.FAULTS
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
-        from swarm.server.faults import FAULTS
-
-        if self.fault not in FAULTS:
-            raise ValueError(f"fault must be one of {list(FAULTS)}, got {self.fault!r}")
         parse_device(self.device)
         if isinstance(self.stage, str) and self.stage != "auto":
             if not self.stage.isdigit():
@@ -159,6 +185,16 @@ class PeerConfig:
             raise ValueError(f"expiration_s ({self.expiration_s}) must be at least twice announce_period_s ({self.announce_period_s})")
         if not self.delay_per_sample_s >= 0.0:
             raise ValueError(f"delay_per_sample_s must be >= 0, got {self.delay_per_sample_s!r}")
+        if not 0.0 <= self.max_memory_gb < float("inf"):
+            raise ValueError(f"max_memory_gb must be a finite number >= 0 (0 = no limit), got {self.max_memory_gb!r}")
+        if isinstance(self.memory_batch_samples, bool) or not isinstance(self.memory_batch_samples, int) \
+                or self.memory_batch_samples < 1:
+            raise ValueError(f"memory_batch_samples must be a positive int, got {self.memory_batch_samples!r}")
+        if self.dtype not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.dtype == "fp16" and parse_device(self.device).type != "cuda":
+            raise ValueError(f"dtype fp16 needs a CUDA device (its loss scaling is for CUDA autocast), got device "
+                             f"{self.device}; use bf16 or fp32")
         if not 0.0 <= self.forward_cache_mb < float("inf"):
             raise ValueError(f"forward_cache_mb must be a finite number >= 0, got {self.forward_cache_mb!r}")
         if self.max_mb_per_caller < self.max_message_mb:
@@ -195,7 +231,13 @@ class TrainerConfig:
     attack: str = "none"  # emulate a poisoning trainer (tests and attack benchmarks): one of swarm.client.attacks.ATTACKS
     verify_fraction: float = 0.02  # probability (0-1) per micro-batch and stage of re-checking that stage's reply on a second replica (with defences on)
     serve_dht: bool = False  # also answer other nodes' DHT requests (only if other machines can reach this trainer); by default a trainer is a DHT client
-    slow_replica_tolerance: float = 2.0  # route only to replicas whose expected completion time is within this multiple of the stage's best (>= 1); 0 = off, route by throughput alone
+    slow_replica_tolerance: float = field(default=2.0, metadata={"help": (
+        "route only to replicas whose expected completion time is within this multiple of the stage's best "
+        "(>= 1); 0 = off, route by throughput alone")})
+    tokenizer: Optional[str] = field(default=None, metadata={"help": (
+        "the run's tokenizer.json (its SHA-256 must equal run.tokenizer_sha256); None = the cached copy, "
+        "fetched from the organiser with --join")})
+    tokenizer_cache_dir: str = DEFAULT_CACHE_DIR  # where tokenizers fetched from organisers are kept, one file per SHA-256
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
@@ -218,6 +260,11 @@ class TrainerConfig:
             raise ValueError(f"slow_replica_tolerance must be 0 (off) or a finite number >= 1, got {self.slow_replica_tolerance!r}")
         if self.duration_s is not None:
             _positive("duration_s", self.duration_s)
+        if self.tokenizer is not None and not self.run.tokenizer_sha256:
+            raise ValueError(f"tokenizer {self.tokenizer} is given, but the run trains on byte tokens (tokenizer_sha256 "
+                             f"is empty): name the run's tokenizer with --tokenizer_sha256 (`swarm tokenizer` prints it)")
+        if not self.tokenizer_cache_dir:
+            raise ValueError("tokenizer_cache_dir must name a directory")
 
 
 @dataclass
@@ -228,11 +275,14 @@ class BootstrapConfig:
     manifest: Optional[str] = None  # YAML file of the run's settings: sign it, publish it and serve it to joiners
     run_id: Optional[str] = None  # without a manifest: enforce this run's record schema (None = store whatever is sent; readers drop it)
     num_stages: int = 2  # stages of that run (with run_id)
+    tokenizer: Optional[str] = None  # with a manifest: the run's tokenizer.json, named in the manifest by its SHA-256 and served to joining trainers
     network: NetworkConfig = field(default_factory=NetworkConfig)
 
     def __post_init__(self) -> None:
         if self.run_id is not None:
             validate_run_id(self.run_id)
+        if self.tokenizer is not None and self.manifest is None:
+            raise ValueError("tokenizer needs a manifest: only a run's organiser (--manifest run.yaml) serves its tokenizer")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be at least 1, got {self.num_stages}")
 

@@ -69,11 +69,13 @@ def dashboard_families(state: Mapping[str, Any], now: float, peer_id: str = "") 
         _gauge("swarm_dashboard_stages", "Pipeline stages of the run", state["num_stages"]),
         _gauge("swarm_dashboard_peers_online", "Online peers, all stages", swarm["num_peers"]),
         _gauge("swarm_dashboard_trainers", "Trainers announcing themselves", swarm["num_trainers"]),
-        _gauge("swarm_dashboard_samples_per_second", "Samples per second, summed over trainers", swarm["samples_per_s"]),
+        _gauge("swarm_dashboard_samples_per_second", "Samples per second, summed over trainers",
+               swarm["samples_per_s"]),
         _gauge("swarm_dashboard_tokens_per_second", "Tokens per second, summed over trainers", swarm["tokens_per_s"]),
         _gauge("swarm_dashboard_banned_peers", "Peers banned by a majority of their stage-mates (trainers route "
                "around them)", sum(bool(p["banned"]) for p in state["peers"])),
-        _gauge("swarm_dashboard_accusations", "Trainers whose latest accusation names a peer", len(state["accusations"])),
+        _gauge("swarm_dashboard_accusations", "Trainers whose latest accusation names a peer",
+               len(state["accusations"])),
         _gauge("swarm_dashboard_poll_ok", "1 when the last read of the DHT succeeded, 0 when it failed",
                1 if state["poll"]["ok"] else 0),
         _gauge("swarm_dashboard_last_poll_age_seconds", "Seconds since the last successful read of the DHT (since "

@@ -94,7 +94,8 @@ class DashboardPoller:
         p2p = await self.dht.replicate_p2p()
         for record in candidates[:3]:
             try:
-                reply = await call_peer(p2p, PeerID.from_base58(record.peer_id), "settings", {}, timeout=LOOKUP_TIMEOUT_S)
+                reply = await call_peer(p2p, PeerID.from_base58(record.peer_id), "settings", {},
+                                        timeout=LOOKUP_TIMEOUT_S)
                 run = config_from_dict(RunConfig, reply["run"], prefix="run.")
             except Exception as e:  # timeouts, dead peers (p2pd's own types), malformed answers (ConfigError, KeyError)
                 logger.info(f"could not read the run settings of {record.peer_id}: {type(e).__name__}: {e}")

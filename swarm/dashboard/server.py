@@ -102,7 +102,8 @@ class DashboardServer:
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
+        address, port = self._httpd.server_address[:2]
+        host = address.decode() if isinstance(address, (bytes, bytearray)) else address  # str for an IP socket
         return f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
 
     def start(self) -> None:

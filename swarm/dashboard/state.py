@@ -83,7 +83,8 @@ def _stages(peers: Mapping[str, PeerRecord], num_stages: int) -> List[Dict[str, 
         online = [p for p in mine if p.state == "online"]
         stages.append({
             "stage": stage, "replicas": len(online), "joining": sum(p.state == "joining" for p in mine),
-            "leaving": sum(p.state == "leaving" for p in mine), "throughput": round(sum(p.throughput for p in online), 3),
+            "leaving": sum(p.state == "leaving" for p in mine),
+            "throughput": round(sum(p.throughput for p in online), 3),
             "queue": sum(p.queue_length for p in online), "step": max((p.step for p in online), default=None),
             "samples_pending": sum(p.samples_pending for p in online)})
     return stages
@@ -101,7 +102,8 @@ def _peers(snapshot: Snapshot, num_stages: int) -> List[Dict[str, Any]]:
             "peer_id": p.peer_id, "stage": p.stage, "state": p.state, "step": p.step,
             "throughput": round(p.throughput, 3), "queue": p.queue_length, "samples_processed": p.samples_processed,
             "excluded": p.excluded_peers,
-            "excluded_by": sorted(q.peer_id for q in peers.values() if q.stage == p.stage and p.peer_id in q.excluded_peers),
+            "excluded_by": sorted(q.peer_id for q in peers.values()
+                                  if q.stage == p.stage and p.peer_id in q.excluded_peers),
             "banned": p.peer_id in banned, "accused_by": sorted(accused_by.get(p.peer_id, []))})
     return rows
 

@@ -112,6 +112,8 @@ class Directory:
         try:
             found = await asyncio.wait_for(self.dht.run_coroutine(
                 partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True), timeout + 1.0)
+            if found is None:
+                raise asyncio.TimeoutError(f"no answer within {timeout:.1f}s")
         except (asyncio.TimeoutError, Exception) as e:
             count_dht("read", False, len(keys))
             logger.warning(f"DHT lookup of {self.run_id!r} stages failed: {type(e).__name__}: {e}")

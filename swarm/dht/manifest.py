@@ -10,6 +10,9 @@ The signed manifest reaches joiners two ways: the organiser serves it as the ``m
 owner subkey (hivemind's ``RSASignatureValidator`` lets only the key's holder write there).
 Both paths end in :func:`verify_manifest`. The payload is canonical JSON (sorted keys, no
 spaces), so a signature covers exactly one byte string per set of settings.
+
+A run with a tokenizer names it in the manifest by the SHA-256 of its file; the organiser serves the
+file's bytes as the ``tokenizer`` RPC, and :func:`fetch_tokenizer_from` refuses any other bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from swarm.dht.identity import Identity, owner_subkey, peer_id_of
 from swarm.dht.records import MAX_MANIFEST_PAYLOAD_BYTES, manifest_key
 from swarm.net.addresses import address_peer_id
 from swarm.net.rpc import Handler, call_peer
+from swarm.training.tokenizer import MAX_TOKENIZER_BYTES, check_sha256, sha256_of_bytes
 
 __all__ = [
     "ManifestError",
@@ -51,9 +55,20 @@ __all__ = [
     "fetch_manifest_from",
     "peer_id_in_address",
     "MANIFEST_METHOD",
+    "TOKENIZER_METHOD",
+    "tokenizer_handler",
+    "fetch_tokenizer_from",
 ]
 
 MANIFEST_METHOD = "manifest"  # the organiser's RPC method that replies with the signed manifest
+TOKENIZER_METHOD = "tokenizer"  # the organiser's RPC method that replies with the bytes of the run's tokenizer.json
+TOKENIZER_REPLY_ENVELOPE_BYTES = 4096  # what the tokenizer reply adds to the file's bytes (keys, the hash, framing)
+# run settings left out of the settings while they hold their default: a run that does not use them keeps
+# the settings, and so the hash and manifest, it had before they existed
+_OMITTED_AT_DEFAULT = {"tokenizer_sha256": ""}
+# model settings left out at their defaults: a byte-level GPT run hashes as it did before they existed
+_MODEL_OMITTED_AT_DEFAULT = {"architecture": "gpt", "num_kv_heads": 0, "intermediate_size": 0, "rope_theta": 10000.0,
+                             "rms_norm_eps": 1e-5, "tie_embeddings": False}
 
 
 class ManifestError(ValueError):
@@ -104,7 +119,12 @@ def _canonical(data: Any) -> bytes:
 
 def run_settings(run: RunConfig) -> Dict[str, Any]:
     # a JSON round trip turns tuples into lists, so equal settings always give equal bytes
-    return json.loads(json.dumps(dataclasses.asdict(run)))
+    settings = json.loads(json.dumps(dataclasses.asdict(run)))
+    for section, omitted in ((settings, _OMITTED_AT_DEFAULT), (settings["model"], _MODEL_OMITTED_AT_DEFAULT)):
+        for name, default in omitted.items():
+            if section.get(name) == default:
+                del section[name]
+    return settings
 
 
 def run_hash(run: RunConfig) -> str:
@@ -285,3 +305,33 @@ async def fetch_manifest_from(p2p: P2P, address: str, timeout: float) -> RunMani
     organiser = peer_id_in_address(address)
     reply = await call_peer(p2p, PeerID.from_base58(organiser), MANIFEST_METHOD, {}, timeout=timeout)
     return verify_manifest(SignedManifest.from_dict(reply), organiser)
+
+
+def tokenizer_handler(data: bytes) -> Handler:
+    """An :class:`swarm.net.rpc.RPCServicer` handler that replies with the bytes of the run's tokenizer.json
+    (and their SHA-256) to anyone who asks: like the run's settings, it is not secret."""
+    if not data or len(data) > MAX_TOKENIZER_BYTES:
+        raise ValueError(f"a served tokenizer must hold 1 to {MAX_TOKENIZER_BYTES} bytes, got {len(data)}")
+    reply = {"sha256": sha256_of_bytes(data), "tokenizer": bytes(data)}
+
+    async def handle(message: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        return reply
+
+    return handle
+
+
+async def fetch_tokenizer_from(p2p: P2P, address: str, expected_sha256: str, timeout: float,
+                               max_bytes: int = MAX_TOKENIZER_BYTES) -> bytes:
+    """The bytes of the tokenizer ``expected_sha256`` from the organiser at ``address``, within ``timeout``
+    seconds; a reply above ``max_bytes`` is refused before it is read, and bytes with another SHA-256
+    raise :class:`~swarm.training.tokenizer.TokenizerError` naming both hashes."""
+    organiser = peer_id_in_address(address)
+    reply = await call_peer(p2p, PeerID.from_base58(organiser), TOKENIZER_METHOD, {}, timeout=timeout, stream=True,
+                            max_reply_bytes=max_bytes + TOKENIZER_REPLY_ENVELOPE_BYTES)
+    data = reply.get("tokenizer")
+    if not isinstance(data, bytes) or not data:
+        raise ManifestError(f"the organiser {organiser} sent no tokenizer file")
+    if len(data) > max_bytes:
+        raise ManifestError(f"the organiser {organiser} sent a tokenizer of {len(data)} bytes, more than {max_bytes}")
+    check_sha256(sha256_of_bytes(data), expected_sha256, f"sent by the organiser {organiser}")
+    return data

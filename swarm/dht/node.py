@@ -98,10 +98,15 @@ def identity_of(dht: DHT) -> Identity:
     return identity
 
 
-async def get_many_in_dht(_dht: DHT, node: DHTNode, keys: Collection[str], timeout: float) -> Dict[str, Any]:
-    """Look up several keys in one traversal (the latest value of each); runs inside the DHT process
-    through ``dht.run_coroutine``, so it is defined here, imported by every process before its DHT forks."""
-    return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=float("inf")), timeout)
+async def get_many_in_dht(_dht: DHT, node: DHTNode, keys: Collection[str], timeout: float) -> Optional[Dict[str, Any]]:
+    """Look up several keys in one traversal (the latest value of each); None if it took longer than ``timeout``.
+    Runs inside the DHT process through ``dht.run_coroutine``, so it is defined here, imported by every process
+    before its DHT forks. A timeout is returned rather than raised: hivemind logs every exception a coroutine
+    raises with a traceback, and a slow lookup is an expected event that the caller reports."""
+    try:
+        return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=float("inf")), timeout)
+    except asyncio.TimeoutError:
+        return None
 
 
 async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:

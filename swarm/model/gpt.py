@@ -1,7 +1,10 @@
-"""A small GPT-style decoder LM, cut into contiguous pipeline stages.
+"""The model config every architecture shares, the stage interface, and a small GPT-style decoder LM
+cut into contiguous pipeline stages (the default architecture).
 
-Read top to bottom: config, attention, MLP, block, the partition of layers into stages,
-one stage, the deterministic stage builder, and all stages chained in one process.
+Read top to bottom: config, attention, MLP, block, the partition of layers into stages, the
+interface every stage implements (:class:`PipelineStage`), the GPT stage, and its deterministic
+builder. The Llama architecture lives in :mod:`swarm.model.llama`; :mod:`swarm.model.stages`
+picks one by ``ModelConfig.architecture``.
 
 The model knows nothing about networking. A stage is a plain ``nn.Module``: the first
 stage embeds byte tokens, middle stages map hidden states to hidden states, and the last
@@ -15,31 +18,39 @@ a single process bit for bit, which needs a deterministic forward pass.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from swarm.model.finite import all_finite
 
 __all__ = [
+    "ARCHITECTURES",
     "MAX_BATCH_SIZE",
     "ModelConfig",
     "layer_ranges",
+    "PipelineStage",
     "StageModule",
     "build_stage",
-    "FullModel",
+    "check_seed",
+    "seeded_generator",
 ]
+
+ARCHITECTURES = ("gpt", "llama")
 
 # Upper bound on the samples in one request a stage accepts; guards a peer against a
 # request that would exhaust its memory. A server may lower it per module.
 MAX_BATCH_SIZE = 4096
 
 _INIT_STD = 0.02  # GPT-2's initialisation scale for embeddings and linear weights
+_LLAMA_FFN_MULTIPLE = 256  # Llama rounds its default SwiGLU width up to a multiple of this
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -48,16 +59,39 @@ def _require_positive_int(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _require_non_negative_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def _require_positive_float(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
 @dataclass
 class ModelConfig:
-    """Shape of the GPT; every peer and trainer of a run must use the same one."""
+    """Shape of the model; every peer and trainer of a run must use the same one.
+
+    ``architecture`` picks the network: "gpt" (learned positions, LayerNorm, GELU MLP, biases) or
+    "llama" (rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases). The fields
+    after it are Llama's; their defaults leave a GPT unchanged. Zero in ``num_kv_heads`` and
+    ``intermediate_size`` means the architecture's default (see :attr:`kv_heads`, :attr:`ffn_size`),
+    so that a config states only what it changes.
+    """
 
     vocab_size: int = 256  # tokens; 256 = one token per byte
     seq_len: int = 64  # tokens per sample (maximum sequence length)
     num_layers: int = 4  # transformer blocks, split over the pipeline stages
     hidden_size: int = 128  # width of the residual stream
     num_heads: int = 4  # attention heads; must divide hidden_size
-    stage_layers: List[int] = field(default_factory=list)  # blocks per pipeline stage, e.g. [1, 3]; empty = as even as possible
+    stage_layers: List[int] = field(default_factory=list)  # blocks per stage, e.g. [1, 3]; empty = as even as possible
+    architecture: str = "gpt"  # gpt, or llama (RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases)
+    num_kv_heads: int = 0  # key/value heads (llama: grouped-query attention, must divide num_heads); 0 = num_heads
+    intermediate_size: int = 0  # MLP width; 0 = 4 * hidden_size (gpt) or Llama's 8/3 * hidden_size rounded up to 256
+    rope_theta: float = 10000.0  # llama: base of the rotary position frequencies
+    rms_norm_eps: float = 1e-5  # llama: epsilon inside RMSNorm
+    tie_embeddings: bool = False  # llama: the LM head reuses the token embedding (single-stage runs only)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "hidden_size", "num_heads"):
@@ -71,6 +105,53 @@ class ModelConfig:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
             )
+        self._check_architecture_fields()
+
+    def _check_architecture_fields(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(f"architecture must be one of {list(ARCHITECTURES)}, got {self.architecture!r}")
+        _require_non_negative_int("num_kv_heads", self.num_kv_heads)
+        _require_non_negative_int("intermediate_size", self.intermediate_size)
+        _require_positive_float("rope_theta", self.rope_theta)
+        _require_positive_float("rms_norm_eps", self.rms_norm_eps)
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        if self.num_heads % self.kv_heads != 0:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads}): "
+                             "each key/value head serves a whole group of query heads")
+        if self.architecture == "gpt":
+            if self.kv_heads != self.num_heads:
+                raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be 0 or num_heads ({self.num_heads}) for "
+                                 "architecture gpt: grouped-query attention is an architecture llama setting")
+            if self.tie_embeddings:
+                raise ValueError("tie_embeddings is an architecture llama setting: the gpt's embedding and LM head "
+                                 "are separate")
+        elif self.head_dim % 2 != 0:
+            raise ValueError(f"hidden_size / num_heads ({self.head_dim}) must be even for architecture llama: "
+                             "rotary embeddings rotate pairs of dimensions")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads in effect: ``num_kv_heads``, or ``num_heads`` when that is 0."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """MLP width in effect: ``intermediate_size``, or the architecture's default when that is 0.
+
+        Llama's default is two thirds of 4 * hidden_size (SwiGLU has three matrices where a GELU MLP
+        has two, so this keeps the parameter count) rounded up to a multiple of 256, which gives
+        Llama-7B's 11008 for hidden_size 4096."""
+        if self.intermediate_size:
+            return self.intermediate_size
+        if self.architecture == "gpt":
+            return 4 * self.hidden_size
+        return _LLAMA_FFN_MULTIPLE * -(-(8 * self.hidden_size // 3) // _LLAMA_FFN_MULTIPLE)
 
 
 class CausalSelfAttention(nn.Module):
@@ -92,12 +173,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward network, 4x wide with GELU."""
+    """Position-wise feed-forward network, ``ffn_size`` wide (4x by default) with GELU."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(config.hidden_size, 4 * config.hidden_size)
-        self.proj = nn.Linear(4 * config.hidden_size, config.hidden_size)
+        self.fc = nn.Linear(config.hidden_size, config.ffn_size)
+        self.proj = nn.Linear(config.ffn_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -149,13 +230,18 @@ def layer_ranges(num_layers: int, num_stages: int, stage_layers: Sequence[int] =
     return ranges
 
 
-class StageModule(nn.Module):
-    """One contiguous slice of the GPT. The first stage holds the token+position embeddings, the last the final LayerNorm, the LM head and the loss.
+class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
+    """What a stage of any architecture is to the rest of the swarm: its place in the pipeline, the checks
+    a server runs on every request, and the loss of the last stage.
 
-    A freshly constructed module is initialised as ``build_stage(config, stage_index,
-    num_stages, seed=0)`` would; use :func:`build_stage` to pick the run's seed.
+    A subclass builds its layers on the meta device (so that construction never draws from the global RNG)
+    and then calls :meth:`_materialise`. Its ``forward(inputs, targets=None, reduction="mean")`` maps token
+    ids [B, T] (first stage) or hidden states [B, T, H] to hidden states, or on the last stage to the loss;
+    the last stage's LM head is a submodule named ``lm_head`` (servers hook it to read the logits).
     ``forward`` trusts its inputs; a server must call :meth:`check_inputs` first.
     """
+
+    lm_head: nn.Linear  # the last stage's LM head (other stages have none)
 
     def __init__(self, config: ModelConfig, stage_index: int, num_stages: int):
         super().__init__()
@@ -169,72 +255,75 @@ class StageModule(nn.Module):
         self.is_last = stage_index == num_stages - 1
         self.layer_range: tuple[int, int] = ranges[stage_index]
         self.max_batch_size = MAX_BATCH_SIZE
+        # recompute each block's activations in backward instead of keeping them: less memory for one more forward
+        self.checkpoint_activations = False
 
-        # Built on the meta device so that construction never draws from the global RNG;
-        # every parameter is then materialised and set by reset_parameters.
-        with torch.device("meta"):
-            if self.is_first:
-                self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
-                self.position_embedding = nn.Embedding(config.seq_len, config.hidden_size)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(*self.layer_range))
-            if self.is_last:
-                self.ln_f = nn.LayerNorm(config.hidden_size)
-                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.to_empty(device="cpu")
-        self.reset_parameters(seed=0)
+    def _run_block(self, block: nn.Module, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        """``block(x, *args)``, checkpointed when :attr:`checkpoint_activations` is set and autograd records."""
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return cast(torch.Tensor, checkpoint(block, x, *args, use_reentrant=False))
+        return block(x, *args)
 
-    @torch.no_grad()
+    def _materialise(self, empty: bool) -> None:
+        """Allocate the meta-device parameters on the CPU and initialise them as seed 0 would, unless ``empty``:
+        then the stage stays a skeleton whose names and shapes describe it without allocating anything."""
+        if not empty:
+            self.allocate("cpu")
+            self.reset_parameters(seed=0)
+
+    def allocate(self, device: Union[str, torch.device]) -> None:
+        """Give a skeleton's parameters uninitialised storage on ``device``; ``load_state_dict`` or
+        :meth:`reset_parameters` must fill them. Tied parameters stay one parameter."""
+        self.to_empty(device=device)
+        self._tie_weights()  # to_empty gives every parameter new storage, tied ones included
+
+    def _tie_weights(self) -> None:
+        """Make tied parameters one parameter again (none here; an architecture with tied weights says which)."""
+
+    @abc.abstractmethod
     def reset_parameters(self, seed: int) -> None:
-        """GPT-2 initialisation drawn from generators local to (seed, component).
+        """Initialise every parameter from generators local to (seed, component); see :func:`build_stage`."""
 
-        Each block is keyed by its global layer index (and the embeddings and head by
-        name), so a stage's weights depend on the seed and on which layers it holds, not
-        on the global RNG: replicas of a stage start identical, and the same seed gives
-        the same network however it is cut into stages.
-        """
-        # GPT-2 scales residual projections by 1/sqrt(2 * layers) so the residual stream's
-        # variance does not grow with depth.
-        residual_std = _INIT_STD / math.sqrt(2 * self.config.num_layers)
-        if self.is_first:
-            gen = _generator(seed, "embeddings")
-            self.token_embedding.weight.normal_(0.0, _INIT_STD, generator=gen)
-            self.position_embedding.weight.normal_(0.0, _INIT_STD, generator=gen)
-        for layer, block in zip(range(*self.layer_range), self.blocks):
-            gen = _generator(seed, f"block.{layer}")
-            for module in block.modules():
-                if isinstance(module, nn.LayerNorm):
-                    module.weight.fill_(1.0)
-                    module.bias.zero_()
-            for linear, std in (
-                (block.attn.qkv, _INIT_STD),
-                (block.attn.proj, residual_std),
-                (block.mlp.fc, _INIT_STD),
-                (block.mlp.proj, residual_std),
-            ):
-                linear.weight.normal_(0.0, std, generator=gen)
-                linear.bias.zero_()
-        if self.is_last:
-            self.ln_f.weight.fill_(1.0)
-            self.ln_f.bias.zero_()
-            self.lm_head.weight.normal_(0.0, _INIT_STD, generator=_generator(seed, "lm_head"))
+    @abc.abstractmethod
+    def _hidden(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H] through this stage's blocks."""
 
-    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean") -> torch.Tensor:
+    @abc.abstractmethod
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's final norm and LM head: hidden [B, T, H] -> logits [B, T, vocab]."""
+
+    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                reduction: str = "mean") -> torch.Tensor:
         """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H], or on the last stage the mean loss
         (``reduction="none"``: the loss of every token, [B, T], which a server splits between merged requests)."""
-        if self.is_first:
-            positions = torch.arange(inputs.shape[1], device=inputs.device)
-            x = self.token_embedding(inputs) + self.position_embedding(positions)
-        else:
-            x = inputs
-        for block in self.blocks:
-            x = block(x)
+        x = self._hidden(inputs)
         if not self.is_last:
             return x
+        return self._loss(self._head(x), targets, reduction)
+
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Next-token logits [B, T, vocab] of the last stage for ``inputs`` (for evaluation and export checks;
+        training never moves logits off the peer)."""
+        self._require_last()
+        return self._head(self._hidden(inputs))
+
+    @abc.abstractmethod
+    def checkpoint_names(self) -> Dict[str, str]:
+        """Every key of ``state_dict()`` -> its name in a whole-model checkpoint (global layer indices).
+        Tied weights map several keys to one name."""
+
+    def _require_last(self) -> None:
+        if not self.is_last:
+            raise ValueError(f"stage {self.stage_index}/{self.num_stages} has no LM head: only the last stage "
+                             "computes logits")
+
+    def _loss(self, logits: torch.Tensor, targets: Optional[torch.Tensor], reduction: str) -> torch.Tensor:
+        """The mean cross-entropy (``reduction="none"``: the loss of every token, [B, T], which a server splits
+        between merged requests)."""
         if targets is None:
             raise ValueError("targets are required on the last stage")
         if reduction not in ("mean", "none"):
             raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
-        logits = self.lm_head(self.ln_f(x))
         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction)
         return losses if reduction == "mean" else losses.view(targets.shape)
 
@@ -280,7 +369,7 @@ class StageModule(nn.Module):
             )
 
     def _check_hidden(self, hidden: torch.Tensor, where: str) -> None:
-        expected_dtype = self.blocks[0].ln_1.weight.dtype
+        expected_dtype = next(self.parameters()).dtype  # hidden states travel in the dtype the stage computes in
         if hidden.dtype != expected_dtype:
             raise ValueError(f"{where}: hidden states must be {expected_dtype}, got dtype {hidden.dtype}")
         if hidden.ndim != 3 or hidden.shape[2] != self.config.hidden_size:
@@ -300,33 +389,109 @@ class StageModule(nn.Module):
             raise ValueError(f"{where}: {name} sequence length must be in [1, {self.config.seq_len}], got {length}")
 
 
-def _generator(seed: int, component: str) -> torch.Generator:
+class StageModule(PipelineStage):
+    """One contiguous slice of the GPT. The first stage holds the token+position embeddings, the last the final
+    LayerNorm, the LM head and the loss.
+
+    A freshly constructed module is initialised as ``build_stage(config, stage_index,
+    num_stages, seed=0)`` would; use :func:`build_stage` to pick the run's seed. ``empty=True``
+    leaves it a meta-device skeleton (names and shapes only).
+    """
+
+    def __init__(self, config: ModelConfig, stage_index: int, num_stages: int, empty: bool = False):
+        super().__init__(config, stage_index, num_stages)
+        if config.architecture != "gpt":
+            raise ValueError(f"StageModule builds architecture gpt, got {config.architecture!r} "
+                             "(swarm.model.stages.build_stage picks the architecture's stage)")
+        with torch.device("meta"):
+            if self.is_first:
+                self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
+                self.position_embedding = nn.Embedding(config.seq_len, config.hidden_size)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(*self.layer_range))
+            if self.is_last:
+                self.ln_f = nn.LayerNorm(config.hidden_size)
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._materialise(empty)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """GPT-2 initialisation drawn from generators local to (seed, component).
+
+        Each block is keyed by its global layer index (and the embeddings and head by
+        name), so a stage's weights depend on the seed and on which layers it holds, not
+        on the global RNG: replicas of a stage start identical, and the same seed gives
+        the same network however it is cut into stages.
+        """
+        # GPT-2 scales residual projections by 1/sqrt(2 * layers) so the residual stream's
+        # variance does not grow with depth.
+        residual_std = _INIT_STD / math.sqrt(2 * self.config.num_layers)
+        if self.is_first:
+            gen = seeded_generator(seed, "embeddings")
+            self.token_embedding.weight.normal_(0.0, _INIT_STD, generator=gen)
+            self.position_embedding.weight.normal_(0.0, _INIT_STD, generator=gen)
+        for layer, item in zip(range(*self.layer_range), self.blocks):
+            block = cast(Block, item)
+            gen = seeded_generator(seed, f"block.{layer}")
+            for module in block.modules():
+                if isinstance(module, nn.LayerNorm):
+                    module.weight.fill_(1.0)
+                    module.bias.zero_()
+            for linear, std in (
+                (block.attn.qkv, _INIT_STD),
+                (block.attn.proj, residual_std),
+                (block.mlp.fc, _INIT_STD),
+                (block.mlp.proj, residual_std),
+            ):
+                linear.weight.normal_(0.0, std, generator=gen)
+                linear.bias.zero_()
+        if self.is_last:
+            self.ln_f.weight.fill_(1.0)
+            self.ln_f.bias.zero_()
+            self.lm_head.weight.normal_(0.0, _INIT_STD, generator=seeded_generator(seed, "lm_head"))
+
+    def _hidden(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            positions = torch.arange(inputs.shape[1], device=inputs.device)
+            x = self.token_embedding(inputs) + self.position_embedding(positions)
+        else:
+            x = inputs
+        for block in self.blocks:
+            x = self._run_block(block, x)
+        return x
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+    def checkpoint_names(self) -> Dict[str, str]:
+        """Block ``j`` of this stage is block ``layer_range[0] + j`` of the model; other names are global already."""
+        start, names = self.layer_range[0], {}
+        for key in self.state_dict(keep_vars=True):
+            if key.startswith("blocks."):
+                local, rest = key[len("blocks."):].split(".", 1)
+                names[key] = f"blocks.{start + int(local)}.{rest}"
+            else:
+                names[key] = key
+        return names
+
+
+def seeded_generator(seed: int, component: str) -> torch.Generator:
     """A CPU generator seeded from (seed, component) by a stable hash, never from global state."""
     digest = hashlib.sha256(f"{seed}:{component}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def build_stage(config: ModelConfig, stage_index: int, num_stages: int, seed: int) -> StageModule:
-    """Deterministic init from (seed, stage_index): replicas of a stage start identical, without touching the global RNG state (use a local torch.Generator)."""
+def check_seed(seed: object) -> None:
+    """ValueError unless ``seed`` is an int (a bool is a config mistake)."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
+
+
+def build_stage(config: ModelConfig, stage_index: int, num_stages: int, seed: int) -> StageModule:
+    """The GPT stage, deterministic from (seed, stage_index): replicas of a stage start identical, without touching
+    the global RNG state (use a local torch.Generator). :func:`swarm.model.stages.build_stage` picks the
+    architecture; this builds the GPT."""
+    check_seed(seed)
     stage = StageModule(config, stage_index, num_stages)
     if seed != 0:  # the constructor already initialised with seed 0
         stage.reset_parameters(seed)
     return stage
-
-
-class FullModel(nn.Module):
-    """All stages chained in one process (for single-process baselines and exact-match tests); built from build_stage(...) for each stage with the same seed so it starts from exactly the same initialisation as the swarm."""
-
-    def __init__(self, config: ModelConfig, num_stages: int, seed: int):
-        super().__init__()
-        self.config = config
-        self.stages = nn.ModuleList(build_stage(config, index, num_stages, seed) for index in range(num_stages))
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy over all B*T positions."""
-        x = tokens
-        for stage in self.stages[:-1]:
-            x = stage(x)
-        return self.stages[-1](x, targets)

@@ -55,12 +55,12 @@ def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
     if not any(tcp_port(m) == 0 for m in announce):
         return host, announce
     host = _fixed(host, free_port)
-    ports = {tcp_port(m) for m in host} - {None}
+    ports = {port for port in map(tcp_port, host) if port is not None}
     if len(ports) != 1:
         raise ValueError(f"announce_maddrs {announce} use port 0 (the port this process listens on), but "
                          f"host_maddrs {list(host_maddrs)} listen on {len(ports) or 'no'} TCP ports: "
                          f"name the port to announce")
-    port = int(ports.pop())
+    port = ports.pop()
     return host, [_with_port(m, port) if tcp_port(m) == 0 else m for m in announce]
 
 

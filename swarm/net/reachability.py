@@ -102,7 +102,8 @@ def decide(announced: Sequence[str], host_maddrs: Sequence[str], report: Optiona
     if not announced:
         return Verdict("unreachable", f"NOT reachable from other machines: it has no address others could dial "
                                       f"(loopback and container-bridge addresses are never announced); {open_hint}. "
-                                      f"Serving through a relay meanwhile (slower).", ports_to_open=ports, use_relay=True)
+                                      f"Serving through a relay meanwhile (slower).",
+                       ports_to_open=ports, use_relay=True)
     if report is None:
         return Verdict("unknown", f"could not check whether other machines can reach {', '.join(announced)}: "
                                   f"{error or 'no peer of the run answered'}", addresses=tuple(announced))
@@ -194,7 +195,8 @@ def dial_back_handler():
 
 # ---- the caller's side ----
 
-async def check_reachability(p2p: P2P, helpers: Sequence[str], announced: Sequence[str]) -> Tuple[Optional[DialBackReport], str]:
+async def check_reachability(p2p: P2P, helpers: Sequence[str],
+                             announced: Sequence[str]) -> Tuple[Optional[DialBackReport], str]:
     """Ask the peers at ``helpers`` (multiaddrs ending in /p2p/<id>), one after the other, to dial ``announced``
     back; the first answer's report, or (None, why nobody answered)."""
     from swarm.net.rpc import RemoteError, call_peer
@@ -218,7 +220,8 @@ async def check_reachability(p2p: P2P, helpers: Sequence[str], announced: Sequen
     return None, "; ".join(errors) if errors else "no peer of the run to ask (no --initial_peers)"
 
 
-async def own_verdict(p2p: P2P, host_maddrs: Sequence[str], announced: Sequence[str], helpers: Sequence[str]) -> Verdict:
+async def own_verdict(p2p: P2P, host_maddrs: Sequence[str], announced: Sequence[str],
+                      helpers: Sequence[str]) -> Verdict:
     """Check (when it means anything) and decide."""
     direct = [a for a in announced if not is_circuit(Multiaddr(a))]
     if not needs_check(host_maddrs) or not direct:

@@ -316,7 +316,8 @@ class RPCServicer(ServicerBase):
         method_bytes, size = REQUEST_HEADER.unpack(
             await asyncio.wait_for(reader.readexactly(REQUEST_HEADER.size), HEADER_TIMEOUT_S))
         if method_bytes > MAX_METHOD_BYTES:
-            return "", 0, _error(f"a method name of {method_bytes} bytes exceeds {MAX_METHOD_BYTES} bytes", "bad_request")
+            return "", 0, _error(f"a method name of {method_bytes} bytes exceeds {MAX_METHOD_BYTES} bytes",
+                                 "bad_request")
         method = (await asyncio.wait_for(reader.readexactly(method_bytes), HEADER_TIMEOUT_S)).decode("utf-8", "replace")
 
         async def read() -> Optional[bytes]:
@@ -391,7 +392,8 @@ async def _call_stream(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, m
         try:
             reply = await reader.readexactly(size)
         except asyncio.IncompleteReadError as e:
-            raise EmptyStreamReply(f"the stream of {method} ended {len(e.partial)} bytes into a reply of {size}") from None
+            raise EmptyStreamReply(
+                f"the stream of {method} ended {len(e.partial)} bytes into a reply of {size}") from None
         received = REPLY_HEADER.size + size
         return reply
     finally:
@@ -411,9 +413,8 @@ async def _send_request(writer: asyncio.StreamWriter, name: bytes, payload: byte
 
 def _sending_error(sending: "asyncio.Future[None]", fallback: BaseException) -> BaseException:
     """Why the request could not be sent, if it could not (the real cause of a stream that ended early)."""
-    if sending.done() and not sending.cancelled() and sending.exception() is not None:
-        return sending.exception()
-    return fallback
+    error = sending.exception() if sending.done() and not sending.cancelled() else None
+    return fallback if error is None else error
 
 
 class EmptyStreamReply(ConnectionError):
@@ -516,7 +517,8 @@ async def call_peer(
             return await _send(payload)
         except Exception as e:
             # p2pd did not know where the peer is: dial its announced addresses and try once more
-            if isinstance(e, RemoteError) or not is_routing_failure(e) or not await dialer.ensure(str(peer_id), force=True):
+            if (isinstance(e, RemoteError) or not is_routing_failure(e)
+                    or not await dialer.ensure(str(peer_id), force=True)):
                 raise
         return await _send(payload)
 

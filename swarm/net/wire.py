@@ -14,7 +14,7 @@ checks every field of such an entry before it decodes a byte of it.
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, List, Mapping, Tuple
 
 import msgpack
 import torch
@@ -66,12 +66,13 @@ def _pack_tensor_view(tensor: torch.Tensor) -> Dict[str, Any]:
     if tensor.dtype not in _NAMES:
         raise WireError(f"dtype {tensor.dtype} cannot be sent; supported: {sorted(_DTYPES)}")
     raw = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-    data = memoryview(raw.numpy()).cast("B").toreadonly() if raw.numel() else b""
+    data = raw.numpy().data.cast("B").toreadonly() if raw.numel() else b""
     return {_TENSOR_TAG: True, "dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape), "data": data}
 
 
-def _num_elements(shape: Any) -> int:
-    """The element count of a wire shape, refusing anything that is not a short list of sane sizes.
+def _wire_shape(shape: Any) -> Tuple[List[int], int]:
+    """A wire shape as a list of sizes, and its element count, refusing anything that is not a short list of
+    sane sizes.
 
     Every size is capped before the product is taken, and the running product is capped too,
     so the count stays a small exact integer whatever the sender wrote.
@@ -87,7 +88,7 @@ def _num_elements(shape: Any) -> int:
         count *= size
         if count > MAX_TENSOR_ELEMENTS:
             raise WireError(f"tensor of shape {_brief.repr(shape)} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements")
-    return count
+    return list(shape), count
 
 
 def unpack_tensor(obj: Any) -> torch.Tensor:
@@ -98,15 +99,15 @@ def unpack_tensor(obj: Any) -> torch.Tensor:
     """
     if not isinstance(obj, Mapping) or obj.get(_TENSOR_TAG) is not True:
         raise WireError(f"expected a tensor, got {type(obj).__name__}")
-    dtype_name, shape, data = obj.get("dtype"), obj.get("shape"), obj.get("data")
+    dtype_name, data = obj.get("dtype"), obj.get("data")
     if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
         raise WireError(f"unsupported tensor dtype {_brief.repr(dtype_name)}; supported: {sorted(_DTYPES)}")
-    count = _num_elements(shape)
+    shape, count = _wire_shape(obj.get("shape"))
     if not isinstance(data, (bytes, bytearray)):
         raise WireError(f"tensor data must be bytes, got {type(data).__name__}")
     expected = count * _ELEMENT_BYTES[dtype_name]
     if expected != len(data):
-        raise WireError(f"tensor of shape {list(shape)} and dtype {dtype_name} needs {expected} bytes, got {len(data)}")
+        raise WireError(f"tensor of shape {shape} and dtype {dtype_name} needs {expected} bytes, got {len(data)}")
     dtype = _DTYPES[dtype_name]
     view_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
     flat = torch.frombuffer(bytearray(data), dtype=view_dtype) if data else torch.empty(0, dtype=view_dtype)
@@ -123,9 +124,10 @@ def unpack_compressed(obj: Any) -> torch.Tensor:
     """A writable float32 tensor from a compressed entry, after checking every field a sender could lie about."""
     if not isinstance(obj, Mapping) or obj.get(_COMPRESSED_TAG) is not True:
         raise WireError(f"expected a compressed tensor, got {type(obj).__name__}")
-    shape = obj.get("shape")
-    _num_elements(shape)
-    fields = (obj.get("codec"), shape, obj.get("block_size"), obj.get("data"), obj.get("scales"))
+    shape, _ = _wire_shape(obj.get("shape"))
+    # as the sender wrote them: Compressed checks every field, and that they agree, as it is built
+    fields: Tuple[Any, ...] = (obj.get("codec"), tuple(shape), obj.get("block_size"), obj.get("data"),
+                               obj.get("scales"))
     try:
         return decompress(Compressed(*fields))
     except CompressionError as e:

@@ -139,6 +139,8 @@ class SwapState:
 
     def commit(self) -> None:
         """Apply the swap last priced."""
+        if self._pending is None:
+            raise RuntimeError("commit() needs a swap priced first")
         groups, stage, weights, total, b, q, a, p = self._pending
         if b < 0:
             self.pool[q] = self.groups[a, p]

@@ -61,7 +61,7 @@ class CountState:
         if h >= 0:
             counts[h, u] -= 1
             counts[h, t] += 1
-            touched = (g, h)
+            touched: tuple[int, ...] = (g, h)
         else:
             pool = pool.copy()
             pool[u] -= 1
@@ -83,6 +83,8 @@ class CountState:
 
     def commit(self) -> None:
         """Apply the move last priced."""
+        if self._pending is None:
+            raise RuntimeError("commit() needs a move priced first")
         self.counts, self.pool, self.stage, self.weights, self.total = self._pending
         self._pending = None
 

@@ -77,7 +77,8 @@ def _from_csv(path: Path) -> Network:
     missing = np.argwhere(np.isnan(latency_ms))
     if missing.size:
         a, b = missing[0]
-        raise NetworkFileError(f"{path}: missing entry for the pair {names[a]}, {names[b]} ({len(missing) // 2} pairs missing)")
+        raise NetworkFileError(f"{path}: missing entry for the pair {names[a]}, {names[b]} "
+                               f"({len(missing) // 2} pairs missing)")
     return _build(path, latency_ms, gbps, None, names)
 
 

@@ -30,7 +30,9 @@ def _layers(num_nodes: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, i
     popcount = np.array([bin(m).count("1") for m in masks])
     layers = []
     for size in range(2, n + 1):
-        targets, sources, edges = [], [], []
+        targets: list[int] = []
+        sources: list[int] = []
+        edges: list[int] = []
         for mask in masks[popcount == size]:
             members = [b for b in range(n) if mask >> b & 1]
             for j in members:

@@ -130,10 +130,11 @@ def _starts(model: CostModel, labels: np.ndarray, initial: Sequence[Placement]) 
 
 
 def _count_chains(typed: TypedCost, starts: list[Placement], config: SearchConfig,
-                  rng: np.random.Generator, target: float) -> tuple[Placement, float, int]:
-    """Count-matrix annealing from the best distinct starts (see ``counts``)."""
+                  rng: np.random.Generator, target: float) -> tuple[Placement | None, float, int]:
+    """Count-matrix annealing from the best distinct starts (see ``counts``); None where no chain ran."""
     schedule = AnnealSchedule(config.max_evaluations, config.start_temperature, config.end_temperature, target)
-    best, best_total, evaluations, seen = None, np.inf, 0, set()
+    best: Placement | None = None
+    best_total, evaluations, seen = np.inf, 0, set[bytes]()
     for groups, pool in starts:
         if len(seen) == config.num_chains or best_total <= target:
             break
@@ -195,7 +196,7 @@ def search(model: CostModel, config: SearchConfig, initial: Sequence[Placement] 
         best, best_total, evaluations = _count_chains(typed, starts, config, rng, target)
     else:
         best, best_total, evaluations = _device_chains(fast, starts, config, rng, deadline, target)
-    if fast.total(starts[0][0]) <= best_total:
+    if best is None or fast.total(starts[0][0]) <= best_total:
         best, best_total = starts[0], fast.total(starts[0][0])
     groups, unused = [list(map(int, row)) for row in best[0]], [int(d) for d in best[1]]
     if config.allow_uneven:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -45,7 +45,8 @@ def adds_nothing(samples: float) -> bool:
 class AggregationConfig:
     """Knobs of the robust aggregation; every replica of a stage must use the same ones."""
 
-    centered_clip_tau: float = 0.0  # CenteredClip radius; 0 = centered_clip_scale x the median distance of the contributions from their median
+    # CenteredClip radius; 0 = centered_clip_scale x the median distance of the contributions from their median
+    centered_clip_tau: float = 0.0
     centered_clip_scale: float = 2.0  # the automatic radius in units of the typical honest spread
     max_weight_ratio: float = 2.0  # no contribution weighs more than this many times the median claim
     ban_ratio: float = 50.0  # a contribution this many median distances from the result gets its sender banned
@@ -112,7 +113,8 @@ def _distances(vectors: torch.Tensor, center: torch.Tensor) -> List[float]:
 
 
 def clip_radius(vectors: torch.Tensor, config: AggregationConfig) -> float:
-    """The configured radius, or ``centered_clip_scale`` x the median distance of the rows from their coordinate-wise median."""
+    """The configured radius, or ``centered_clip_scale`` x the median distance of the rows from their
+    coordinate-wise median."""
     if config.centered_clip_tau > 0:
         return config.centered_clip_tau
     return config.centered_clip_scale * _median(_distances(vectors, coordinate_median(vectors)))
@@ -144,7 +146,7 @@ def equivocators(commitments: Mapping[str, Set[str]]) -> Set[str]:
 
 
 def robust_aggregate(contributions: Mapping[str, torch.Tensor], claims: Mapping[str, float], config: AggregationConfig,
-                     banned: Set[str] = frozenset(), equivocated: Set[str] = frozenset(),
+                     banned: AbstractSet[str] = frozenset(), equivocated: AbstractSet[str] = frozenset(),
                      max_samples: Optional[float] = None) -> Aggregate:
     """Combine flat gradient vectors (peer id -> vector) into one, leaving out and naming the bad ones."""
     excluded: Dict[str, str] = {}
@@ -168,8 +170,8 @@ def robust_aggregate(contributions: Mapping[str, torch.Tensor], claims: Mapping[
     if not peers:
         if not empty:
             return Aggregate(None, [], {}, excluded, bans)
-        return Aggregate(torch.zeros_like(contributions[empty[0]], dtype=torch.float64), empty, dict.fromkeys(empty, 0.0),
-                         excluded, bans)
+        return Aggregate(torch.zeros_like(contributions[empty[0]], dtype=torch.float64), empty,
+                         dict.fromkeys(empty, 0.0), excluded, bans)
     aggregate = _aggregate_nonempty(peers, contributions, claims, config, excluded, bans, max_samples)
     aggregate.included += empty
     aggregate.weights.update(dict.fromkeys(empty, 0.0))
@@ -191,7 +193,8 @@ def _aggregate_nonempty(peers: List[str], contributions: Mapping[str, torch.Tens
     if len(peers) >= 3 and typical > 0:
         for peer, distance in distances.items():
             if distance > config.ban_ratio * typical:
-                bans[peer] = f"sent a gradient {distance / typical:.0f}x farther from the robust mean than the median replica"
+                bans[peer] = (f"sent a gradient {distance / typical:.0f}x farther from the robust mean than the "
+                              f"median replica")
     if bans.keys() & set(peers):  # recompute without the attackers, so the result does not carry their pull at all
         kept = [p for p in peers if p not in bans]
         for peer in set(peers) - set(kept):

@@ -33,7 +33,8 @@ __all__ = ["SHARD_CAPACITY", "MAX_LEVEL", "WRITE_BAND", "level_for", "write_leve
 # records a shard holds at most when the level matches the stage's size: what one read of a stage moves
 # is about (1 + rotate) shards, so a small capacity keeps a poll's bytes flat from stages of a few replicas up
 SHARD_CAPACITY = 4
-MAX_LEVEL = 10  # at most 1,024 shards a stage (4,096 replicas at capacity; past that shards grow, to 4 MiB at ~2 million)
+# at most 1,024 shards a stage (4,096 replicas at capacity; past that shards grow, to 4 MiB at ~2 million)
+MAX_LEVEL = 10
 # a reader's own shard found empty makes it probe at once only when the level it reads puts more than this many
 # records in a shard: an empty shard is then unlikely by chance (below e**-3), so the writers likely moved
 EMPTY_HOME_SURPRISE = 3.0
@@ -55,7 +56,8 @@ def level_for(stage_size: float) -> int:
 
 def write_levels(stage_size: float) -> Tuple[int, ...]:
     """The levels a writer stores its record at: those of every size within ``WRITE_BAND`` of its estimate."""
-    return tuple(sorted({level_for(stage_size / WRITE_BAND), level_for(stage_size), level_for(stage_size * WRITE_BAND)}))
+    levels = {level_for(stage_size / WRITE_BAND), level_for(stage_size), level_for(stage_size * WRITE_BAND)}
+    return tuple(sorted(levels))
 
 
 def shard_count(level: int) -> int:

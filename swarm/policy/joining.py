@@ -68,7 +68,8 @@ def trusted_state_sources(claims: Sequence[StateClaim], own_id: str, distrusted:
     if not majority:
         seen = ", ".join(f"{count} at step {step} ({digest or 'no digest'})"
                          for (step, digest), count in sorted(votes.items(), reverse=True))
-        return StateSources((), reason=f"no strict majority among {len(voters)} online replicas: {seen or 'no digests'}")
+        return StateSources((), reason=f"no strict majority among {len(voters)} online replicas: "
+                                       f"{seen or 'no digests'}")
     (step, digest), = majority
     peer_ids = sorted(c.peer_id for c in voters if (c.step, c.digest) == (step, digest))
     rng.shuffle(peer_ids)

@@ -35,9 +35,10 @@ model expects. The *excess loss* ``loss - entropy(p)`` (nats) is that signal
 (:func:`loss_outliers`): a trainer is down-weighted while its mean excess over its recent
 micro-batches is above ``excess_margin`` *and* more than ``excess_gap`` above the lower median of
 all trainers' mean excesses. The last stage weighs the micro-batch's loss, so the grad_inputs it
-returns, and with them the gradients of every stage below, carry the weight. The absolute condition protects a trainer whenever the model is
-calibrated on its data, so it works with two trainers, one of them lying (the model is then
-calibrated on the mixture, and the two excesses move apart in opposite directions). The relative
+returns, and with them the gradients of every stage below, carry the weight. The absolute condition
+protects a trainer whenever the model is calibrated on its data, so it works with two trainers, one of
+them lying (the model is then calibrated on the mixture, and the two excesses move apart in opposite
+directions). The relative
 condition keeps a model that is miscalibrated for everyone from down-weighting everyone. The
 signal appears only once the model uses the context (before, shuffled targets teach the same
 byte frequencies as honest ones and do little harm). An honest trainer whose data the model has
@@ -71,13 +72,17 @@ class PoisoningConfig:
     """How a replica bounds what one trainer's micro-batches contribute."""
 
     clip_multiplier: float = 4.0  # a micro-batch's mean gradient is clipped to this many times the reference norm
-    max_grad_norm: Optional[float] = None  # a fixed per-sample bound (L2 norm of a micro-batch's mean gradient) instead of the adaptive one; None = adaptive
+    # a fixed per-sample bound (L2 norm of a micro-batch's mean gradient) instead of the adaptive one; None = adaptive
+    max_grad_norm: Optional[float] = None
     history_size: int = 32  # recent micro-batch gradient norms kept per trainer
-    warmup_micro_batches: int = 8  # micro-batches a fresh replica holds back, at least, before its first bound (twice as many if they all come from one trainer)
+    # micro-batches a fresh replica holds back, at least, before its first bound (twice as many if they all come
+    # from one trainer)
+    warmup_micro_batches: int = 8
     trainer_memory_steps: int = 8  # a trainer not seen for this many steps is forgotten
     excess_window: int = 32  # recent excess losses (nats) kept per trainer on the last stage
     min_excess_count: int = 16  # micro-batches of a trainer before its excess loss is judged
-    excess_margin: float = 0.1  # nats of mean excess loss (loss - model entropy) above which a trainer can be an outlier
+    # nats of mean excess loss (loss - model entropy) above which a trainer can be an outlier
+    excess_margin: float = 0.1
     excess_gap: float = 0.25  # nats by which an outlier's mean excess loss exceeds the lower median over trainers
     outlier_weight: float = 0.0  # weight of an outlier trainer's micro-batches (0 = ignored, 1 = no down-weighting)
 
@@ -92,7 +97,8 @@ class PoisoningConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.min_excess_count > self.excess_window:
-            raise ValueError(f"min_excess_count ({self.min_excess_count}) cannot exceed excess_window ({self.excess_window})")
+            raise ValueError(f"min_excess_count ({self.min_excess_count}) cannot exceed excess_window "
+                             f"({self.excess_window})")
         for name in ("excess_margin", "excess_gap"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a non-negative number of nats, got {getattr(self, name)!r}")
@@ -190,10 +196,13 @@ class ContributionGuard:
         self.last_seen: Dict[str, int] = {}  # trainer -> the step it last contributed to
         self.outliers: FrozenSet[str] = frozenset()  # trainers down-weighted now
         self.step = 0
-        self.warm = config.max_grad_norm is not None  # bounds apply; False while a fresh replica holds micro-batches back
+        # bounds apply; False while a fresh replica holds micro-batches back
+        self.warm = config.max_grad_norm is not None
         self.largest_bound = 0.0  # the largest per-sample bound applied in the current step
-        self.step_clips: Dict[str, float] = {}  # trainer -> the largest norm / bound of its micro-batches clipped this step
-        self.offenders: FrozenSet[str] = frozenset()  # trainers that exceeded the bound grossly in the last finished step
+        # trainer -> the largest norm / bound of its micro-batches clipped this step
+        self.step_clips: Dict[str, float] = {}
+        # trainers that exceeded the bound grossly in the last finished step
+        self.offenders: FrozenSet[str] = frozenset()
         self.clipped = 0  # micro-batches clipped so far
         self.down_weighted = 0  # micro-batches weighted below 1 so far
 
@@ -229,7 +238,8 @@ class ContributionGuard:
         return self.config.outlier_weight if trainer in self.outliers else 1.0
 
     def ready(self, held_back: int) -> bool:
-        """Whether bounds apply, or the ``held_back`` micro-batches suffice to end the warm-up (see :func:`warmup_done`)."""
+        """Whether bounds apply, or the ``held_back`` micro-batches suffice to end the warm-up
+        (see :func:`warmup_done`)."""
         return self.warm or warmup_done(held_back, self.norms, self.config)
 
     def settle(self) -> None:

@@ -117,29 +117,39 @@ def _bottleneck(capacities: Sequence[float], queues: Sequence[int]) -> int:
     return min(range(len(capacities)), key=lambda s: (capacities[s], -queues[s], s))
 
 
-def choose_stage_for_new_peer(peers: Sequence[PeerInfo], num_stages: int, my_throughput: float = 0.0) -> int:
+def choose_stage_for_new_peer(peers: Sequence[PeerInfo], num_stages: int, my_throughput: float = 0.0,
+                              fitting: Optional[Sequence[int]] = None) -> int:
     """The stage that needs capacity most: the lowest expected capacity.
 
     Ties go to the stage with more queued requests, then the lowest index. ``my_throughput``
     (if known) is the estimate for unmeasured peers when nobody is measured yet: peers that
-    join a run are likely to resemble the joining one.
+    join a run are likely to resemble the joining one. ``fitting`` (None = every stage) are the stages
+    whose memory the joining peer has (:func:`swarm.model.footprint.stages_that_fit`); the choice is
+    among them only, and ValueError when there is none.
     """
     _check_num_stages(num_stages)
+    candidates = range(num_stages) if fitting is None else sorted(set(fitting))
+    if fitting is not None and not all(isinstance(s, int) and 0 <= s < num_stages for s in candidates):
+        raise ValueError(f"fitting stages must be in 0..{num_stages - 1}, got {list(fitting)}")
+    if not candidates:
+        raise ValueError("no stage of this run fits this peer's memory")
     capacities, queues = _capacities_and_queues(peers, num_stages, _fill_value(peers, default_s=my_throughput))
-    return _bottleneck(capacities, queues)
+    return min(candidates, key=lambda s: (capacities[s], -queues[s], s))
 
 
-def settle_join_choice(peers: Sequence[PeerInfo], my_peer_id: str, my_stage: int, num_stages: int) -> int:
+def settle_join_choice(peers: Sequence[PeerInfo], my_peer_id: str, my_stage: int, num_stages: int,
+                       fitting: Optional[Sequence[int]] = None) -> int:
     """Re-check a ``--stage auto`` choice once it has been announced as 'joining'.
 
     Peers that start together choose from the same snapshot and pick the same stage. Once the
     choices are visible, the joiner with the smallest peer id on a stage keeps it; every other
-    joiner there chooses again with all of them counted, so two joiners never chase each other.
+    joiner there chooses again with all of them counted, so two joiners never chase each other (among the
+    ``fitting`` stages, as :func:`choose_stage_for_new_peer`).
     """
     rivals = [p for p in peers if p.state == "joining" and p.stage == my_stage and p.peer_id != my_peer_id]
     if not rivals or min(p.peer_id for p in rivals) > my_peer_id:
         return my_stage
-    return choose_stage_for_new_peer([p for p in peers if p.peer_id != my_peer_id], num_stages)
+    return choose_stage_for_new_peer([p for p in peers if p.peer_id != my_peer_id], num_stages, fitting=fitting)
 
 
 def _improves(new_sorted: Sequence[float], old_sorted: Sequence[float], min_gain: float) -> bool:
@@ -190,7 +200,7 @@ def _best_move(capacities: List[float], movable: Dict[int, List[Tuple[float, str
             if not _improves(new_sorted, old_sorted, min_gain):
                 continue
             key = (tuple(new_sorted), new[source])  # then keep the source stage richer
-            if best_key is None or key > best_key or (key == best_key and peer_id < best[0]):
+            if best is None or best_key is None or key > best_key or (key == best_key and peer_id < best[0]):
                 best_key, best = key, (peer_id, source, throughput)
     return best
 

@@ -31,14 +31,17 @@ import itertools
 import math
 import random
 from collections import deque
-from typing import Collection, Deque, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Collection, Deque, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 from swarm.policy.slow_replicas import MAX_PROBES, probe_allowed, worth_waiting_for
 from swarm.policy.snapshot import PeerInfo
 
-__all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "preferred_replica", "Router"]
+__all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "preferred_replica",
+           "Router"]
+
+FloatArray = Union[Sequence[float], np.ndarray]  # figures per replica, as a list or as an array
 
 ANNOUNCED_CAP = 4.0  # an announced throughput counts at most this multiple of the stage's (lower) median
 MEASURED_CAP = 2.0  # an unmeasured replica counts at most this multiple of the best measured one
@@ -56,8 +59,9 @@ class NoPeerAvailable(RuntimeError):
         self.stage = stage
 
 
-def routing_weights(throughputs: Sequence[float]) -> np.ndarray:
-    """Probabilities proportional to throughput; unmeasured (0) peers get the mean of measured ones so new peers get tried; all-unmeasured -> uniform."""
+def routing_weights(throughputs: FloatArray) -> np.ndarray:
+    """Probabilities proportional to throughput; unmeasured (0) peers get the mean of measured ones so new peers
+    get tried; all-unmeasured -> uniform."""
     values = _as_throughputs(throughputs, "throughputs")
     if values.size == 0:
         return values
@@ -125,7 +129,7 @@ def preferred_replica(eligible: Sequence[PeerInfo], prefer: Optional[str]) -> Op
     return next((peer for peer in eligible if peer.peer_id == prefer), None)
 
 
-def _as_throughputs(values: Sequence[float], name: str) -> np.ndarray:
+def _as_throughputs(values: FloatArray, name: str) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64).reshape(-1)
     if not np.all(np.isfinite(array)) or np.any(array < 0):
         raise ValueError(f"{name} must be finite and >= 0, got {list(values)}")
@@ -133,7 +137,8 @@ def _as_throughputs(values: Sequence[float], name: str) -> np.ndarray:
 
 
 class Router:
-    """Per-trainer routing state: stochastic wiring weighted by throughput + bans with exponential backoff. Pure given `now` (no clock reads)."""
+    """Per-trainer routing state: stochastic wiring weighted by throughput + bans with exponential backoff.
+    Pure given `now` (no clock reads)."""
 
     def __init__(self, seed: int = 0, ban_base_s: float = 1.0, ban_max_s: float = 60.0, *,
                  announced_cap: float = ANNOUNCED_CAP, measured_cap: float = MEASURED_CAP,

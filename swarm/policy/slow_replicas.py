@@ -20,7 +20,7 @@ Everything here is a pure function of plain numbers or a snapshot (no clocks, no
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Sequence, Tuple, Union
 
 import numpy as np
 
@@ -29,12 +29,14 @@ from swarm.policy.snapshot import PeerInfo
 __all__ = ["SLOW_TOLERANCE", "MAX_PROBES", "RESUME_MARGIN", "completion_times", "worth_waiting_for",
            "probe_allowed", "StandbyVerdict", "standby_verdict"]
 
+FloatArray = Union[Sequence[float], np.ndarray]  # figures per replica, as a list or as an array
+
 SLOW_TOLERANCE = 2.0  # a replica is routed to while its expected completion is within this multiple of the best one's
 MAX_PROBES = 1  # calls a trainer keeps in flight to a replica it has not timed yet
 RESUME_MARGIN = 0.8  # a standing-by replica resumes only once within this fraction of the tolerance (no flapping)
 
 
-def completion_times(throughputs: Sequence[float], queues: Sequence[float]) -> np.ndarray:
+def completion_times(throughputs: FloatArray, queues: FloatArray) -> np.ndarray:
     """Expected seconds per sample until a new call to each replica completes: (calls ahead + 1) / throughput.
 
     An unknown throughput (0) counts as the mean of the known ones (a new replica is tried, as in
@@ -43,7 +45,7 @@ def completion_times(throughputs: Sequence[float], queues: Sequence[float]) -> n
     return (ahead + 1.0) / rates
 
 
-def _rates_and_queues(throughputs: Sequence[float], queues: Sequence[float]) -> Tuple[np.ndarray, np.ndarray]:
+def _rates_and_queues(throughputs: FloatArray, queues: FloatArray) -> Tuple[np.ndarray, np.ndarray]:
     rates = _non_negative(throughputs, "throughputs")
     ahead = _non_negative(queues, "queues")
     if rates.shape != ahead.shape:
@@ -52,7 +54,7 @@ def _rates_and_queues(throughputs: Sequence[float], queues: Sequence[float]) -> 
     return np.where(known, rates, rates[known].mean() if known.any() else 1.0), ahead
 
 
-def worth_waiting_for(throughputs: Sequence[float], queues: Sequence[float],
+def worth_waiting_for(throughputs: FloatArray, queues: FloatArray,
                       tolerance: float = SLOW_TOLERANCE) -> np.ndarray:
     """Which replicas a call may go to: those whose :func:`completion_times` are within ``tolerance`` times
     the best one's, and for a replica itself more than ``tolerance`` times slower than the fastest,
@@ -122,7 +124,7 @@ def standby_verdict(peer_id: str, snapshot: Sequence[PeerInfo], tolerance: float
         f"(within {limit:.1f}x)"), slowdown)
 
 
-def _non_negative(values: Sequence[float], name: str) -> np.ndarray:
+def _non_negative(values: FloatArray, name: str) -> np.ndarray:
     array = np.asarray(values, dtype=np.float64).reshape(-1)
     if not np.all(np.isfinite(array)) or np.any(array < 0):
         raise ValueError(f"{name} must be finite and >= 0, got {list(values)}")

@@ -13,20 +13,34 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import List, Optional, Protocol
 
 from swarm import PROTOCOL_VERSION
+from swarm.dht.directory import Directory
 from swarm.dht.records import PeerRecord
-from swarm.server.steps import FAST_PERIOD_S
+from swarm.server.host import CurrentStage, Loops, Settings
+from swarm.server.lifecycle import PeerState
+from swarm.server.steps import FAST_PERIOD_S, StepCoordinator
 
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
+__all__ = ["Announcer", "AnnouncerHost"]
 
-__all__ = ["Announcer"]
+
+class AnnouncerHost(Settings, CurrentStage, Loops, Protocol):
+    """What the announcer reads of the peer: who it is, where it is reached, and the figures its record carries."""
+
+    run_hash: str
+    maddrs: List[str]
+    steps: Optional[StepCoordinator]
+    directory: Optional[Directory]
+
+    @property
+    def queued(self) -> int: ...
 
 
 class Announcer:
-    def __init__(self, peer: "StagePeer"):
+    """Stores the peer's record in the DHT: every announce period, and as it changes while a step is near."""
+
+    def __init__(self, peer: AnnouncerHost):
         self.peer = peer
         self.last: Optional[PeerRecord] = None  # the last record stored (every store of it succeeded)
         self.last_at = -math.inf  # when, on the monotonic clock
@@ -36,7 +50,7 @@ class Announcer:
         base, bits = steps.contributed if steps is not None else (0, 0)
         step, digest = runner.version if runner else (0, "")
         return PeerRecord(
-            version=PROTOCOL_VERSION, peer_id=peer.peer_id, stage=peer.stage, state=peer.state,
+            version=PROTOCOL_VERSION, peer_id=peer.peer_id, stage=peer.stage, state=PeerState(peer.state).value,
             throughput=runner.meter.samples_per_s if runner else 0.0, queue_length=peer.queued,
             step=step, accum_step=runner.accum_step if runner else 0,
             samples_pending=runner.samples_pending if runner else 0,

@@ -3,7 +3,8 @@
 A thin subclass of hivemind's ``DecentralizedAverager`` (a separate process): one averager
 per stage peer, one group prefix per stage, the group key bits set to the step being
 averaged so that replicas at different steps never meet in one group. State sharing hands a
-joining replica the parameters, AdamW moments and step through hivemind's download RPC.
+joining replica the parameters, AdamW moments and step through hivemind's download RPC, streamed in and out
+without a second copy of the state (see :mod:`.state_sharing`).
 
 With ``aggregation`` set (the run's defences on), a group's round is :class:`RobustRound`: every member
 holds every groupmate's whole signed gradient and combines them with CenteredClip itself, so no member
@@ -34,29 +35,25 @@ import logging
 import math
 import signal
 import time
-from concurrent.futures import InvalidStateError
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, deserialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_dht_time, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout
-from hivemind.utils.streaming import combine_from_streaming
-
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.auth import Allowlist
-from swarm.hivemind_private import PrivateAverager, register_decoder, wrap_join_request
+from swarm.hivemind_private import register_decoder, wrap_join_request
 from swarm.net.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
                                compress, decompress)
 from swarm.policy.aggregation import Aggregate, AggregationConfig
-from swarm.server.faults import GradientFault
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
+from swarm.server.state_sharing import StateSharingAverager
 
 __all__ = ["StageAverager", "RoundResult", "RoundGivenUp", "await_round", "BlockwiseInt8", "butterfly_compression",
            "step_group_bits", "ReportedRoundFailures"]
@@ -190,18 +187,21 @@ def averaged_buffers(templates: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     return [torch.zeros(tuple(t.shape), dtype=torch.float64, device="cpu") for t in templates]
 
 
-class StageAverager(PrivateAverager):
+class StageAverager(StateSharingAverager):
     """Averages gradient-shaped tensors; serves ``state_fn()`` to replicas that download state.
 
     ``state_fn`` runs in the peer's main process (hivemind calls it from a helper thread there)
     and must return (metadata dict, list of tensors). ``allowlist`` (peer ids; empty = anyone)
-    is checked in the averager's own process, on every incoming call and on every group.
+    is checked in the averager's own process, on every incoming call and on every group. Subclasses (emulated
+    faulty replicas) serve and call its RPCs under its name.
     """
+
+    RPC_NAME = "StageAverager"
 
     def __init__(self, grad_shapes: Sequence[torch.Tensor], state_fn: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]],
                  allowlist: Iterable[str] = (), aggregation: Optional[AggregationConfig] = None,
                  signing_key: Optional[RSAPrivateKey] = None, ban_s: float = 3600.0, max_samples: Optional[float] = None,
-                 fault: str = "none", compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any):
+                 compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any):
         self._state_fn = state_fn
         self._compression, self._block_size = check_codec(compression), check_block_size(block_size)
         if aggregation is None and compression != "none":
@@ -213,7 +213,6 @@ class StageAverager(PrivateAverager):
         self._aggregation, self._signing_key = aggregation, signing_key
         self._ban_s, self._max_samples = ban_s, max_samples
         self._banned: Dict[str, float] = {}  # peer id -> time.monotonic() until which it is banned (averager process)
-        self._fault = GradientFault(fault)
         self._outcomes: Dict[bytes, Aggregate] = {}
         super().__init__(averaged_buffers(grad_shapes), **kwargs)
 
@@ -259,12 +258,12 @@ class StageAverager(PrivateAverager):
         self.call_in_background("_set_group_sizes", minimum=int(min_group_size),
                                 full=None if full_group_size is None else int(full_group_size))
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
-        mean_grads = self._fault.corrupt(list(mean_grads))  # an emulated attacker lies here; honest peers send theirs
+        mean_grads, claimed = self.contribution(list(mean_grads), samples)
         with self.get_tensors() as tensors:
             for dst, src in zip(tensors, mean_grads):
                 dst.copy_(src.to(torch.float64))
         try:
-            weight = max(self._fault.claimed_samples(samples, self._max_samples), 1e-6)
+            weight = max(claimed, 1e-6)
             control = self.step(gather=gather, weight=weight, timeout=matchmaking_timeout,
                                 wait=False, allow_retries=False)
             gathered = await await_round(control, timeout + 5, give_up)
@@ -278,6 +277,15 @@ class StageAverager(PrivateAverager):
         with self.get_tensors() as tensors:
             averaged = [t.clone() for t in tensors]
         return RoundResult(averaged, {str(peer): data for peer, data in gathered.items()}, outcome)
+
+    def contribution(self, mean_grads: List[torch.Tensor], samples: int) -> Tuple[List[torch.Tensor], float]:
+        """What this replica puts into a round: its mean gradient and the samples it weighs (its own)."""
+        return mean_grads, float(samples)
+
+    def send_override(self) -> Optional[Callable[[int, torch.Tensor], torch.Tensor]]:
+        """In a robust round, the vector sent to the ``index``-th other member instead of this replica's own;
+        None sends everyone the same."""
+        return None
 
     # ---- who may take part (the allowlist of a private run, bans): checked in the averager's process ----
 
@@ -428,7 +436,7 @@ class StageAverager(PrivateAverager):
             peer_ids=group_info.peer_ids, peer_id=self.peer_id, vector=vector, samples=float(kwargs.get("weight") or 0.0),
             key=self._signing_key, config=self._aggregation, banned=set(self._banned),
             timeout=0.8 * (self.allreduce_timeout or 30.0), chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
-            max_samples=self._max_samples, send_override=self._fault.send_override(),
+            max_samples=self._max_samples, send_override=self.send_override(),
             compression=self._compression, block_size=self._block_size)
         self.running_groups[group_id].set_result(round_)
         try:
@@ -445,73 +453,3 @@ class StageAverager(PrivateAverager):
             tensor.copy_(outcome.vector[offset:offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
         self._outcomes[group_id] = outcome
-
-    # ---- downloading the state of chosen replicas: load_state_from runs in the peer's process, ----
-    # ---- the methods after it in the averager's process ----
-
-    def load_state_from(self, peer_ids: Sequence[str], timeout: float, max_bytes: Optional[int] = None,
-                        wait: bool = True) -> Union[Optional[Tuple[str, Any, List[torch.Tensor]]], MPFuture]:
-        """Download the state of the first of ``peer_ids`` (asked one at a time, in order) that sends one.
-
-        Returns (peer id, metadata, tensors), or None when none of them did; with ``wait=False``, a
-        future of that (awaitable). ``timeout``: seconds one replica's download may take; ``max_bytes``:
-        the most bytes taken from one replica (None = no bound). Nothing here checks the values: the
-        caller decides whether to keep them (unlike ``load_state_from_peers``, which asks whichever
-        replica declares the highest priority)."""
-        future = MPFuture()
-        self.call_in_background("_load_state_from", peer_ids=[str(peer_id) for peer_id in peer_ids],
-                                timeout=float(timeout), max_bytes=max_bytes, future=future)
-        return future.result(timeout=timeout * len(peer_ids) + 5) if wait else future
-
-    async def _load_state_from(self, peer_ids: List[str], timeout: float, max_bytes: Optional[int],
-                               future: MPFuture) -> None:
-        try:
-            for peer_id in peer_ids:
-                if future.done():  # the caller stopped waiting
-                    return
-                try:
-                    state = await asyncio.wait_for(self._download_state_of(PeerID.from_base58(peer_id), max_bytes),
-                                                   timeout=timeout)
-                except Exception as e:
-                    logger.warning(f"state download from {peer_id} failed: {type(e).__name__}: {e}")
-                    continue
-                if state is None:
-                    logger.info(f"{peer_id} sent no state (it does not share it, or refused us)")
-                    continue
-                self._resolve(future, (peer_id, *state))
-                return
-        finally:
-            self._resolve(future, None)
-
-    @staticmethod
-    def _resolve(future: MPFuture, result: Any) -> None:
-        if future.done():
-            return
-        try:
-            future.set_result(result)
-        except InvalidStateError:  # the caller cancelled it meanwhile
-            pass
-
-    async def _download_state_of(self, peer: PeerID, max_bytes: Optional[int]) -> Optional[Tuple[Any, List[torch.Tensor]]]:
-        """(metadata, tensors) as ``peer`` streams them, or None if it sent no metadata; a part that takes
-        longer than ``next_chunk_timeout`` to come, or more than ``max_bytes`` in all, ends the download."""
-        stub = self.get_stub(self.background_p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts, received = None, [], [], 0
-        try:
-            async for message in aiter_with_timeout(stream, self.next_chunk_timeout or self.request_timeout):
-                received += len(message.tensor_part.buffer) + len(message.metadata)
-                if max_bytes is not None and received > max_bytes:
-                    raise ValueError(f"the state exceeds {max_bytes} bytes")
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:  # a part naming its dtype starts the next tensor
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-        finally:
-            if hasattr(stream, "aclose"):
-                await stream.aclose()
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return None if metadata is None else (metadata, tensors)

@@ -11,17 +11,18 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from hivemind.utils import get_logger
 
 from swarm.model.finite import all_finite
 
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
+from swarm.server.host import CurrentStage, Loops, Settings
+from swarm.server.lifecycle import PeerState
 
-__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint", "non_finite_indices", "Checkpointer"]
+__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint", "non_finite_indices", "Checkpointer",
+           "CheckpointHost"]
 
 logger = get_logger(__name__)
 
@@ -68,10 +69,16 @@ def load_checkpoint(path: Path, run_id: str, stage: int) -> Optional[Tuple[Dict[
     return metadata, tensors
 
 
+class CheckpointHost(Settings, CurrentStage, Loops, Protocol):
+    """What checkpoints read of the peer: the stage it serves and the state it holds of it."""
+
+    def shared_state(self) -> Tuple[Dict[str, Any], List[torch.Tensor]]: ...
+
+
 class Checkpointer:
     """Saves the stage a peer serves every ``checkpoint_period_s`` (and when it leaves); restores it on joining."""
 
-    def __init__(self, peer: "StagePeer"):
+    def __init__(self, peer: CheckpointHost):
         self.peer = peer
 
     def _path(self) -> Optional[Path]:
@@ -85,15 +92,15 @@ class Checkpointer:
         loaded = await asyncio.get_running_loop().run_in_executor(None, load_checkpoint, path, peer.run.run_id, peer.stage)
         if loaded is None:
             return False
-        await peer.compute(peer.runner.load_state, *loaded)
+        await peer.compute.run(peer.runner.load_state, *loaded)
         logger.info(f"stage {peer.stage}: restored from checkpoint {path} at step {peer.runner.step}")
         return True
 
     async def save(self) -> Optional[Path]:
         path, peer = self._path(), self.peer
-        if path is None or peer.runner is None or peer.state != "online":
+        if path is None or peer.runner is None or peer.state != PeerState.ONLINE:
             return None
-        metadata, tensors = await peer.compute(peer.shared_state)
+        metadata, tensors = await peer.compute.run(peer.shared_state)
         try:
             await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, path, peer.run.run_id, metadata, tensors)
         except ValueError as e:
@@ -106,6 +113,8 @@ class Checkpointer:
         peer = self.peer
         while not peer.stopping.is_set():
             await peer.sleep_or_progress(None, peer.config.checkpoint_period_s, peer.config.checkpoint_period_s)
+            if peer.stopping.is_set():
+                return  # a leaving peer saves its final checkpoint itself (StagePeer.leave)
             try:
                 await self.save()
             except Exception:

@@ -1,17 +1,26 @@
-"""Emulated faulty replicas: a peer started with ``--fault`` corrupts its replies on purpose.
+"""Emulated faulty replicas: a peer that corrupts its replies, its gradients or its state on purpose.
 
-Tests and benchmarks use it to check that trainers detect a bad reply, ban the peer that sent it and
-carry on. An honest peer runs with ``fault="none"``, and its replies pass through untouched.
+Tests and benchmarks use them to check that trainers and stage-mates detect the fault, ban the peer that
+has it and carry on. A fault is installed on a peer from outside (:func:`install_fault`, which
+``swarm faulty_peer`` calls before the peer starts): it wraps the peer's handlers, swaps in an averager
+that changes what the replica contributes, or corrupts the state it serves. Nothing of this module runs
+in an honest peer, and no honest code path asks whether it is faulty.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import functools
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from swarm.server.averaging import StageAverager
+
+if TYPE_CHECKING:
+    from swarm.server.peer import StagePeer
+
 __all__ = ["FAULTS", "REPLY_FAULTS", "GRADIENT_FAULTS", "STATE_FAULTS", "corrupt_reply", "GradientFault",
-           "corrupt_state"]
+           "corrupt_state", "check_fault", "install_fault", "FaultyAverager"]
 
 # faults of the replies to trainers
 REPLY_FAULTS = ("non_numeric_loss", "nan_loss", "wrong_loss", "nan_outputs", "wrong_shape_outputs", "missing_step",
@@ -143,3 +152,64 @@ def corrupt_state(fault: str, metadata: Dict[str, Any],
     num_params = (len(tensors) - 1) // 3
     poisoned = [t + POISON_NOISE_STD * torch.randn_like(t) for t in tensors[:num_params]]
     return metadata, poisoned + list(tensors[num_params:])
+
+
+def check_fault(fault: str) -> str:
+    """``fault`` if it names an emulated fault; ``ValueError`` naming the choices otherwise."""
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {list(FAULTS)}, got {fault!r}")
+    return fault
+
+
+Handler = Callable[[Dict[str, Any], str], Awaitable[Dict[str, Any]]]
+
+
+def _corrupting(fault: str, method: str, handler: Handler) -> Handler:
+    async def corrupted(request: Dict[str, Any], caller: str) -> Dict[str, Any]:
+        return corrupt_reply(fault, method, await handler(request, caller))
+    return corrupted
+
+
+class _CorruptedHandlers:
+    """The peer's handlers with the replies of forward and backward corrupted by ``fault``."""
+
+    def __init__(self, handlers: Any, fault: str):
+        self._handlers, self._fault = handlers, fault
+
+    def table(self) -> Dict[str, Any]:
+        table = dict(self._handlers.table())
+        for method in ("forward", "backward"):
+            table[method] = _corrupting(self._fault, method, table[method])
+        return table
+
+
+class FaultyAverager(StageAverager):
+    """An averager whose replica contributes what :class:`GradientFault` makes of its gradient, and that bids
+    to serve its (corrupted) state first: hivemind's downloader picks the replica declaring the highest
+    priority, and honest replicas declare 0."""
+
+    def __init__(self, *args: Any, fault: str, **kwargs: Any):
+        self._gradient_fault = GradientFault(fault)
+        super().__init__(*args, **kwargs)
+        if fault in STATE_FAULTS:
+            self.state_sharing_priority = 1.0
+
+    def contribution(self, mean_grads: List[torch.Tensor], samples: int) -> Tuple[List[torch.Tensor], float]:
+        fault = self._gradient_fault
+        return fault.corrupt(list(mean_grads)), fault.claimed_samples(samples, self._max_samples)
+
+    def send_override(self) -> Optional[Callable[[int, torch.Tensor], torch.Tensor]]:
+        return self._gradient_fault.send_override()
+
+
+def install_fault(peer: "StagePeer", fault: str) -> None:
+    """Make ``peer`` (not started yet) behave with ``fault``: its replies, its averaging contribution or the
+    state it serves, as the fault says."""
+    check_fault(fault)
+    if fault in REPLY_FAULTS:
+        peer.handlers = _CorruptedHandlers(peer.handlers, fault)
+    if fault in GRADIENT_FAULTS or fault in STATE_FAULTS:
+        peer.averager_class = functools.partial(FaultyAverager, fault=fault)
+    if fault in STATE_FAULTS:
+        shared_state = peer.shared_state
+        peer.served_state = lambda: corrupt_state(fault, *shared_state())

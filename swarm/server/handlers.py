@@ -13,7 +13,9 @@ A forward that carries a ``micro_batch_id`` is a training forward: the replica k
 :mod:`swarm.server.forward_cache`) so that the micro-batch's backward, if it comes back here, need not
 recompute it. Such forwards run alone, not merged with others (see :mod:`swarm.server.batching`); every
 other forward, the last stage's included, is merged with those queued at the same time, and so are
-backwards on a peer that runs with ``merge_backward``.
+backwards on a peer that runs with ``merge_backward``. A forward with ``logits: true`` (last stage only, no
+targets, no micro-batch id) returns the next-token logits at each sample's last position instead of a loss:
+what a generating client samples from; it runs alone and keeps nothing.
 
 With the run's ``compression``, the replies of :data:`COMPRESSED_METHODS` (activations and their
 gradients, the bulk of a run's traffic) travel compressed; everything else a peer sends is exact,
@@ -22,17 +24,18 @@ since parameters, states and records must be bit-identical wherever they are com
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple
 
 import torch
 
 from swarm.dht.agreement import settings_reply
+from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError
-from swarm.server.faults import corrupt_reply
-
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
-    from swarm.server.runner import StageRunner
+from swarm.server.batching import BackwardBatcher, ForwardBatcher
+from swarm.server.host import CurrentStage, Settings
+from swarm.server.lifecycle import PeerState
+from swarm.server.runner import StageRunner
+from swarm.server.steps import StepCoordinator
 
 __all__ = ["StageHandlers", "check_micro_batch_id", "COMPRESSED_METHODS"]
 
@@ -76,10 +79,42 @@ def _verify_flag(request: Dict[str, Any]) -> bool:
     return verify
 
 
-class StageHandlers:
-    """Binds the RPC methods to one :class:`StagePeer`; ``table()`` is what the servicer serves."""
+def _logits_flag(request: Dict[str, Any], micro_batch_id: Any, targets: Any) -> bool:
+    """Whether a forward asks for the last stage's logits (``logits: true``) rather than its loss; such a forward
+    is for generation: it takes no targets and no micro-batch id, since it trains nothing."""
+    logits = request.get("logits", False)
+    if not isinstance(logits, bool):
+        raise ValueError(f"logits must be true or false, got {type(logits).__name__}")
+    if logits and (micro_batch_id is not None or targets is not None):
+        raise ValueError("a logits forward takes neither targets nor a micro_batch_id: it computes the next-token "
+                         "logits and trains nothing")
+    return logits
 
-    def __init__(self, peer: "StagePeer"):
+
+class _Announcer(Protocol):
+    def record(self) -> PeerRecord: ...
+
+
+class HandlersHost(Settings, CurrentStage, Protocol):
+    """What the handlers read of the peer: its settings, state and current stage, and the parts that do the work."""
+
+    batcher: Optional[ForwardBatcher]
+    backward_batcher: Optional[BackwardBatcher]
+    steps: Optional[StepCoordinator]
+
+    @property
+    def announcer(self) -> _Announcer: ...
+
+    @property
+    def state(self) -> PeerState: ...
+
+    def notify_progress(self) -> None: ...
+
+
+class StageHandlers:
+    """Binds the RPC methods to one peer; ``table()`` is what the servicer serves."""
+
+    def __init__(self, peer: HandlersHost):
         self.peer = peer
 
     def table(self) -> Dict[str, Any]:
@@ -89,8 +124,8 @@ class StageHandlers:
     def _check(self, request: Dict[str, Any]) -> int:
         """Refuse work this peer cannot take now; returns the request's batch size."""
         peer = self.peer
-        if peer.state != "online":
-            raise RemoteError(f"peer is {peer.state}, not taking new work", "unavailable")
+        if peer.state != PeerState.ONLINE:
+            raise RemoteError(f"peer is {peer.state.value}, not taking new work", "unavailable")
         if request.get("stage") != peer.stage:
             raise RemoteError(f"this peer serves stage {peer.stage}, not {request.get('stage')!r}", "wrong_stage")
         samples = _batch_size(request)
@@ -106,24 +141,30 @@ class StageHandlers:
         micro_batch_id = request.get("micro_batch_id")
         if micro_batch_id is not None:
             check_micro_batch_id(micro_batch_id, caller)
+        if _logits_flag(request, micro_batch_id, targets):
+            return await self._logits(inputs)
         before = runner.version
-        peer.in_flight += 1
-        try:
+        with peer.compute.serving():
             if micro_batch_id is not None and runner.forward_cache.enabled and not runner.module.is_last:
-                reply: Dict[str, Any] = {"outputs": await peer.compute(runner.forward_train, micro_batch_id, inputs)}
+                reply: Dict[str, Any] = {"outputs": await peer.compute.run(runner.forward_train, micro_batch_id, inputs)}
             else:
                 runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
-                peer.queued += 1
-                try:
+                with peer.compute.queue():
                     outputs = await batcher.forward(inputs, targets)
-                finally:
-                    peer.queued -= 1
                 # the last stage's per-token losses: the request's loss is their mean, merged or alone
                 reply = {"loss": float(outputs.mean())} if runner.module.is_last else {"outputs": outputs}
-        finally:
-            peer.in_flight -= 1
         _stamp(reply, "step", runner, before)
-        return corrupt_reply(peer.config.fault, "forward", reply)
+        return reply
+
+    async def _logits(self, inputs: torch.Tensor) -> Dict[str, Any]:
+        """The last stage's next-token logits at each sample's last position (a generating client's forward): run
+        alone on the compute thread, not merged, and nothing kept or accumulated."""
+        peer, runner = self.peer, self.peer.runner
+        before = runner.version
+        with peer.compute.serving():
+            reply: Dict[str, Any] = {"logits": await peer.compute.run(runner.last_logits, inputs)}
+        _stamp(reply, "step", runner, before)
+        return reply
 
     async def backward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         peer = self.peer
@@ -132,44 +173,35 @@ class StageHandlers:
             return await self._verify_backward(request)
         micro_batch_id = check_micro_batch_id(request.get("micro_batch_id"), caller)
         steps, runner = peer.steps, peer.runner
-        peer.in_flight += 1
         admitted = False
-        try:
-            # a caller that gives up (its call cancelled) while this waits for room leaves nothing in flight
-            await steps.wait_for_room(samples)
-            admitted = True
-            before, resets = runner.version, runner.resets
-            args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
-            if peer.backward_batcher is not None:
-                peer.queued += 1
-                try:
-                    grad_inputs, loss, step = await peer.backward_batcher.backward(*args)
-                finally:
-                    peer.queued -= 1
-            else:
-                grad_inputs, loss, step = await peer.compute(runner.backward, *args)
-        finally:
-            peer.in_flight -= 1
-            if admitted:
-                steps.release(samples)
+        # a caller that gives up (its call cancelled) while this waits for room leaves nothing in flight
+        with peer.compute.serving():
+            try:
+                await steps.wait_for_room(samples)
+                admitted = True
+                before, resets = runner.version, runner.resets
+                args = (micro_batch_id, request.get("inputs"), request.get("grad_outputs"), request.get("targets"))
+                if peer.backward_batcher is not None:
+                    with peer.compute.queue():
+                        grad_inputs, loss, step = await peer.backward_batcher.backward(*args)
+                else:
+                    grad_inputs, loss, step = await peer.compute.run(runner.backward, *args)
+            finally:
+                if admitted:
+                    steps.release(samples)
         peer.notify_progress()
         # the adoptions counted before the work was queued: if one came meanwhile, the work may have landed
         # before it (and been dropped) or after; the older count makes the trainer re-send it in doubt
-        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before,
-                                                                            resets))
+        return _backward_reply(grad_inputs, loss, step, runner, before, resets)
 
     async def _verify_backward(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""
         peer, runner = self.peer, self.peer.runner
-        peer.in_flight += 1
         before, resets = runner.version, runner.resets
-        try:
-            grad_inputs, loss, step = await peer.compute(
+        with peer.compute.serving():
+            grad_inputs, loss, step = await peer.compute.run(
                 runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False)
-        finally:
-            peer.in_flight -= 1
-        return corrupt_reply(peer.config.fault, "backward", _backward_reply(grad_inputs, loss, step, runner, before,
-                                                                            resets))
+        return _backward_reply(grad_inputs, loss, step, runner, before, resets)
 
     async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The peer's record, plus what its compute did: forward passes run, backward passes that recomputed
@@ -185,7 +217,7 @@ class StageHandlers:
         """The stage's parameters (to export a trained model, or to check replicas agree); with
         ``gradients: true`` also the mean gradient accumulated so far for the current step."""
         peer = self.peer
-        return await peer.compute(peer.runner.export, bool(request.get("gradients", False)))
+        return await peer.compute.run(peer.runner.export, bool(request.get("gradients", False)))
 
     async def step_members(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The peers whose gradients a recent applied step averaged: how a trainer learns whether a

@@ -14,22 +14,23 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 from hivemind.utils import get_logger
 
+from swarm.model.footprint import peer_fitting_stages
 from swarm.policy.rebalance import choose_stage_for_new_peer, settle_join_choice
 from swarm.policy.joining import StateClaim, StateSources, StateVerdict, check_downloaded_state, trusted_state_sources
 from swarm.dht.records import PeerRecord, to_peer_infos
+from swarm.server.averaging import StageAverager
 from swarm.server.checkpoints import non_finite_indices
+from swarm.server.host import CurrentStage, Records, Settings
+from swarm.server.lifecycle import Lifecycle, PeerState
 from swarm.server.runner import parameter_digest
-from swarm.server.steps import DISTRUST_S
+from swarm.server.steps import DISTRUST_S, StepCoordinator
 
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
-
-__all__ = ["Joining"]
+__all__ = ["Joining", "JoiningHost"]
 
 logger = get_logger(__name__)
 CATCH_UP_PERIODS = 2  # announce periods a state newer than its source's record waits for the records to name it
@@ -44,10 +45,36 @@ class StateFacts(NamedTuple):
     digest: str  # of its parameters; empty if incomplete
 
 
+class _Announce(Protocol):
+    async def announce(self, only_if_changed: bool = False) -> bool: ...
+
+
+class _Restore(Protocol):
+    async def restore(self) -> bool: ...
+
+
+class JoiningHost(Settings, CurrentStage, Records, Protocol):
+    """What joining and leaving a stage read of the peer: the stage and its parts, the stage's records, the
+    lifecycle (the only way they change the peer's state) and :meth:`claim_stage`."""
+
+    averager: Optional[StageAverager]
+    steps: Optional[StepCoordinator]
+    coordinator_task: Optional[asyncio.Task]
+    lifecycle: Lifecycle
+
+    @property
+    def announcer(self) -> _Announce: ...
+
+    @property
+    def checkpoints(self) -> _Restore: ...
+
+    def claim_stage(self, stage: int) -> None: ...
+
+
 class Joining:
     """Runs on the peer's event loop; torch work goes to its compute thread, downloads to its averager."""
 
-    def __init__(self, peer: "StagePeer", rng: Optional[random.Random] = None):
+    def __init__(self, peer: JoiningHost, rng: Optional[random.Random] = None):
         self.peer = peer
         self._refused: Dict[str, float] = {}  # peer id -> monotonic time until which its state is not asked for
         self._rng = rng or random.Random()  # orders the sources, so that joiners spread their load
@@ -59,18 +86,19 @@ class Joining:
         if peer.config.stage != "auto":
             return int(peer.config.stage)
         snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
-        stage = choose_stage_for_new_peer(snapshot, peer.run.num_stages)
+        stage = choose_stage_for_new_peer(snapshot, peer.run.num_stages, fitting=peer_fitting_stages(peer.config))
         return await self._settle_auto_stage(stage)
 
     async def _settle_auto_stage(self, stage: int) -> int:
         """Announce the automatic choice as 'joining', let peers that chose at the same moment
         announce theirs, and give way (see :func:`settle_join_choice`) if one of them got there first."""
         peer = self.peer
-        peer.stage, peer.state = stage, "joining"
+        peer.claim_stage(stage)
         await peer.announcer.announce()
         await asyncio.sleep(random.uniform(0.5, 1.5))
         snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
-        settled = settle_join_choice(snapshot, peer.peer_id, stage, peer.run.num_stages)
+        settled = settle_join_choice(snapshot, peer.peer_id, stage, peer.run.num_stages,
+                                     fitting=peer_fitting_stages(peer.config))
         if settled != stage:
             logger.info(f"another peer is joining stage {stage} at the same time; joining stage {settled} instead")
         return settled
@@ -126,24 +154,30 @@ class Joining:
         deadline, attempts = time.monotonic() + timeout, 0
         while time.monotonic() < deadline and (max_attempts is None or attempts < max_attempts):
             attempts += 1
-            future = peer.averager.load_state_from_peers(wait=False, timeout=timeout)
-            try:
-                loaded = await asyncio.wait_for(future, timeout=timeout)
-            except Exception as e:
-                logger.warning(f"state download failed: {type(e).__name__}: {e}")
-                loaded = None
-            if loaded is not None:
-                try:
-                    await self._adopt(*loaded, source="a replica")
-                except ValueError as e:
-                    # hivemind's state stream can end early without an error (a short tensor list);
-                    # load_state checks every tensor before touching anything, so just try again
-                    logger.warning(f"downloaded state rejected, retrying: {e}")
-                    await asyncio.sleep(1.0)
-                    continue
+            if await self._adopt_any(timeout):
                 return True
             await asyncio.sleep(1.0)
         return False
+
+    async def _adopt_any(self, timeout: float) -> bool:
+        """One download from the replica hivemind's downloader picks, adopted if it fits the stage. A separate
+        call, so that a state let go is gone before the next download begins (it is never held twice)."""
+        future = self.peer.averager.load_state_from_peers(wait=False, timeout=timeout)
+        try:
+            loaded = await asyncio.wait_for(future, timeout=timeout)
+        except Exception as e:
+            logger.warning(f"state download failed: {type(e).__name__}: {e}")
+            return False
+        if loaded is None:
+            return False
+        try:
+            await self._adopt(*loaded, source="a replica")
+        except ValueError as e:
+            # a state stream can end early without an error (a short tensor list);
+            # load_state checks every tensor before touching anything, so just try again
+            logger.warning(f"downloaded state rejected, retrying: {e}")
+            return False
+        return True
 
     async def _adopt(self, metadata: Dict[str, Any], tensors: Sequence[torch.Tensor], source: str,
                      source_id: Optional[str] = None) -> None:
@@ -152,7 +186,7 @@ class Joining:
         peer, runner = self.peer, self.peer.runner
         first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
         dropped_from = min(peer.steps.tentative, default=None) if peer.steps is not None else None
-        await peer.compute(runner.load_state, metadata, tensors, dropped_from)
+        await peer.compute.run(runner.load_state, metadata, tensors, dropped_from)
         if peer.steps is not None:
             peer.steps.adopted(first_dropped, runner.step)
         self.last_source = source_id
@@ -183,32 +217,41 @@ class Joining:
         return trusted_state_sources(claims, peer.peer_id, self._refused_now() | banned, self._rng)
 
     async def _adopt_first_verified(self, sources: StateSources, deadline: float) -> bool:
-        """Download from ``sources`` one at a time, until one serves the announced state; refuse the others."""
-        peer = self.peer
+        """Download from ``sources`` one at a time, until one serves the announced state; refuse the others.
+
+        Each download is let go before the next begins: a state may be gigabytes, and is never held twice."""
         remaining = list(sources.peer_ids)
         while remaining and time.monotonic() < deadline:
             downloaded = await self._fetch(remaining, deadline)
             if downloaded is None or downloaded[0] not in remaining:
                 return False
-            source, metadata, tensors = downloaded
-            remaining = remaining[remaining.index(source) + 1:]
-            facts = await peer.compute(self._inspect, metadata, tensors)
-            verdict = check_downloaded_state(sources, *facts)
+            remaining = remaining[remaining.index(downloaded[0]) + 1:]
+            if await self._judge_and_adopt(sources, *downloaded, deadline):
+                return True
+            del downloaded
+        return False
+
+    async def _judge_and_adopt(self, sources: StateSources, source: str, metadata: Any,
+                               tensors: Sequence[torch.Tensor], deadline: float) -> bool:
+        """Adopt one downloaded state if it is the one ``sources`` announce; refuse its sender if it lied."""
+        peer = self.peer
+        facts = await peer.compute.run(self._inspect, metadata, tensors)
+        verdict = check_downloaded_state(sources, *facts)
+        if verdict.moved_on:
+            verdict = await self._judge_once_announced(facts, verdict, deadline)
+        if verdict.accept:
+            try:
+                await self._adopt(metadata, tensors, source=source, source_id=source)
+                return True
+            except ValueError as e:
+                verdict = StateVerdict(False, reason=str(e))
+        if verdict.distrust:
+            logger.warning(f"stage {peer.stage}: refusing the state downloaded from {source}: {verdict.reason}")
+            self._refuse(source, verdict.reason)
+        else:  # a stream cut short, or a replica that stepped since it announced: nobody lied
+            logger.info(f"stage {peer.stage}: not adopting the state downloaded from {source}: {verdict.reason}")
             if verdict.moved_on:
-                verdict = await self._judge_once_announced(facts, verdict, deadline)
-            if verdict.accept:
-                try:
-                    await self._adopt(metadata, tensors, source=source, source_id=source)
-                    return True
-                except ValueError as e:
-                    verdict = StateVerdict(False, reason=str(e))
-            if verdict.distrust:
-                logger.warning(f"stage {peer.stage}: refusing the state downloaded from {source}: {verdict.reason}")
-                self._refuse(source, verdict.reason)
-            else:  # a stream cut short, or a replica that stepped since it announced: nobody lied
-                logger.info(f"stage {peer.stage}: not adopting the state downloaded from {source}: {verdict.reason}")
-                if verdict.moved_on:
-                    self.moved_on.add(source)
+                self.moved_on.add(source)
         return False
 
     async def _fetch(self, peer_ids: List[str], deadline: float) -> Optional[Tuple[str, Any, List[torch.Tensor]]]:
@@ -274,11 +317,11 @@ class Joining:
     async def leave_stage(self) -> None:
         """Refuse new work, let work in flight and any averaging round finish, then announce 'leaving'."""
         peer = self.peer
-        peer.state = "leaving"
-        peer.stage_done.set()
+        peer.lifecycle.to(PeerState.LEAVING)  # the handlers refuse new work from now on
+        if peer.steps is not None:
+            peer.steps.room_may_have_changed()  # backwards waiting for room stop waiting
         deadline = time.monotonic() + peer.config.leave_timeout_s
-        while peer.in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await peer.compute.wait_idle(peer.config.leave_timeout_s)
         if peer.coordinator_task is not None:
             try:  # the coordinator stops between averaging rounds, never in the middle of one
                 await asyncio.wait_for(peer.coordinator_task, timeout=max(0.1, deadline - time.monotonic()))

@@ -26,7 +26,7 @@ try:
 except ImportError:  # torch before 2.3 has no choice of attention kernel to make
     SDPBackend = sdpa_kernel = None
 
-from swarm.model.gpt import StageModule
+from swarm.model.stages import PipelineStage
 
 __all__ = ["MergedBackward", "merged_backward", "predictive_entropy"]
 
@@ -58,7 +58,7 @@ def _attention_for_vmap(device: torch.device) -> ContextManager:
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def merged_backward(module: StageModule, inputs: torch.Tensor, targets: Optional[torch.Tensor],
+def merged_backward(module: PipelineStage, inputs: torch.Tensor, targets: Optional[torch.Tensor],
                     cotangents: Cotangents) -> MergedBackward:
     """Backward of ``N`` requests stacked along a new first dimension of ``inputs`` (and ``targets``)."""
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]

@@ -1,9 +1,13 @@
 """A stage peer: joins the DHT, serves one stage's forward/backward, steps with its replicas.
 
-:class:`StagePeer` holds the state its mechanisms share and wires them together; each mechanism
-lives in its own module: the RPC methods (:mod:`.handlers`), announcing (:mod:`.announcer`), global
-steps and averaging (:mod:`.stepping`, deciding with :mod:`swarm.policy.steps`), joining and leaving
-a stage (:mod:`.joining`), checkpoints (:mod:`.checkpoints`) and moving stages (:mod:`.rebalancing`).
+:class:`StagePeer` owns the parts its mechanisms share and wires them together; each mechanism lives in
+its own module and declares, as a ``Protocol`` next to it, the few things it reads of the peer: the RPC
+methods (:mod:`.handlers`), announcing (:mod:`.announcer`), global steps and averaging (:mod:`.steps`,
+deciding with :mod:`swarm.policy.steps`), joining and leaving a stage (:mod:`.joining`), checkpoints
+(:mod:`.checkpoints`), standing by (:mod:`.slow_replicas`), moving stages (:mod:`.rebalance`) and the
+reachability check at start (:mod:`.reachability`). The peer's state is an explicit state machine
+(:mod:`.lifecycle`); the only ways a mechanism changes the peer are the lifecycle's transitions, the
+compute thread's counters (:mod:`.compute`) and :meth:`StagePeer.claim_stage`.
 
 Threads and processes: the asyncio loop of the peer's main thread runs the RPC handlers, the
 announcer and the step coordinator; all torch work runs on one compute thread (so requests queue
@@ -13,9 +17,7 @@ instead of competing for cores); the DHT and the averager are hivemind's own pro
 from __future__ import annotations
 
 import asyncio
-import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from hivemind import DHT
@@ -27,6 +29,7 @@ from swarm.dht.auth import Allowlist
 from swarm.dht.node import identity_of, start_run_dht
 from swarm.net.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
 from swarm.dht.directory import Directory
+from swarm.model.footprint import check_peer_fits
 from swarm.metrics import MetricsServer, PeerSnapshot, peer_families, role_registry, start_metrics_server
 from swarm.net.dialing import Dialer, dialer_for
 from swarm.net.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
@@ -36,9 +39,10 @@ from swarm.server.announcer import Announcer
 from swarm.server.averaging import StageAverager
 from swarm.server.batching import BackwardBatcher, ForwardBatcher
 from swarm.server.checkpoints import Checkpointer
-from swarm.server.faults import STATE_FAULTS, corrupt_state
+from swarm.server.compute import ComputeThread
 from swarm.server.handlers import COMPRESSED_METHODS, StageHandlers
 from swarm.server.joining import Joining
+from swarm.server.lifecycle import Lifecycle, PeerState
 from swarm.server.reachability import reach_or_relay
 from swarm.server.rebalance import rebalance_loop
 from swarm.server.runner import StageRunner
@@ -53,12 +57,15 @@ logger = get_logger(__name__)
 class StagePeer:
     """One replica of one stage. Use ``await start()``, then ``await leave()`` (or ``shutdown()``)."""
 
+    # what averages the stage: a factory of StageAverager (an emulated faulty replica changes what it contributes)
+    averager_class: Callable[..., StageAverager] = StageAverager
+
     def __init__(self, config: PeerConfig, dht: Optional[DHT] = None):
         self.config, self.run = config, config.run
         self.dht = dht
         self._same_run = RunFilter(self.run)
         self.run_hash = self._same_run.run_hash
-        self.state = "joining"
+        self.lifecycle = Lifecycle()
         self.stage: Optional[int] = None
         self.runner: Optional[StageRunner] = None
         self.averager: Optional[StageAverager] = None
@@ -70,23 +77,39 @@ class StagePeer:
         self.maddrs: List[str] = []  # the addresses this peer announces
         self.reachability: Optional[Verdict] = None  # whether other machines can reach it, checked at start
         self.coordinator_task: Optional[asyncio.Task] = None
-        self.queued = 0  # requests waiting for the compute thread
-        self.in_flight = 0  # forward/backward requests being served
+        self.compute = ComputeThread()  # the one thread all torch work runs on
         self.announcer, self.joining, self.checkpoints = Announcer(self), Joining(self), Checkpointer(self)
         self.standby = StandbyWatch(self)  # whether this replica is too slow to be worth routing to
         self.handlers = StageHandlers(self)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-compute")
-        # set when gradients arrive: one wakes the announcer, the other the coordinator
-        self._progress = {"announce": asyncio.Event(), "coordinate": asyncio.Event()}
         self._tasks: List[asyncio.Task] = []
         self.metrics_server: Optional[MetricsServer] = None  # with --metrics_port
         self.direct: Optional[DirectServer] = None  # large requests around p2pd; None with --direct_port -1
-        self.stopping = asyncio.Event()  # the peer is leaving the swarm
-        self.stage_done = asyncio.Event()  # the peer is leaving its current stage (to move, or to leave)
 
     @property
     def peer_id(self) -> str:
         return str(self.dht.peer_id)
+
+    @property
+    def state(self) -> PeerState:
+        return self.lifecycle.state
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        """Set when the peer is leaving the run."""
+        return self.lifecycle.stopping
+
+    @property
+    def stage_done(self) -> asyncio.Event:
+        """Set when the peer is leaving its current stage (to move, or to leave)."""
+        return self.lifecycle.stage_done
+
+    @property
+    def queued(self) -> int:
+        return self.compute.queued
+
+    @property
+    def in_flight(self) -> int:
+        return self.compute.in_flight
 
     # ---- lifecycle ----
 
@@ -97,7 +120,8 @@ class StagePeer:
         owns_dht = self.dht is None
         if owns_dht:
             self.dht = start_run_dht(self.config.network, self.run)
-        self.reachability = await reach_or_relay(self, owns_dht)
+        reach = await reach_or_relay(self.dht, self.config.network, self.run, owns_dht)
+        self.dht, self.maddrs, self.reachability = reach.dht, reach.maddrs, reach.verdict
         p2p = await self.dht.replicate_p2p()
         self.dialer = dialer_for(p2p)
         self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=self.peer_id)
@@ -139,28 +163,35 @@ class StagePeer:
         self.servicer.handlers[DIRECT_SESSION_METHOD] = direct.session
         logger.info(f"direct calls: listening on {', '.join(hosts)} port {port}")
 
+    def claim_stage(self, stage: int) -> None:
+        """Announce-worthy from now on: this peer is joining ``stage``."""
+        self.lifecycle.to(PeerState.JOINING)
+        self.stage = stage
+
     async def _serve_stage(self, stage: int) -> None:
         """Take up ``stage``: build its module, get its current state, go online, start stepping."""
-        self.stage, self.state = stage, "joining"
+        check_peer_fits(self.config, stage)
+        self.claim_stage(stage)
         self.runner = StageRunner(self.run, stage, self.config.device, self.config.delay_per_sample_s,
-                                  forward_cache_bytes=int(self.config.forward_cache_mb * 2**20))
-        self.batcher = ForwardBatcher(self.runner.forward_per_sample, self._executor, self.config.max_batch_samples)
+                                  forward_cache_bytes=int(self.config.forward_cache_mb * 2**20),
+                                  dtype=self.config.dtype, checkpoint_activations=self.config.checkpoint_activations)
+        executor = self.compute.executor
+        self.batcher = ForwardBatcher(self.runner.forward_per_sample, executor, self.config.max_batch_samples)
         if self.config.merge_backward:
-            self.backward_batcher = BackwardBatcher(self.runner.backward_batch, self._executor, self.config.max_batch_samples)
+            self.backward_batcher = BackwardBatcher(self.runner.backward_batch, executor, self.config.max_batch_samples)
         self.steps = StepCoordinator(self)
         self.averager = self._make_averager()
         await self.standby.measure_speed()
         await self.announcer.announce()
         await self.joining.join_stage()
-        self.state = "online"
-        self.stage_done = asyncio.Event()
+        self.lifecycle.to(PeerState.ONLINE)
         self.coordinator_task = asyncio.create_task(self.steps.run())
         await self.announcer.announce()
         logger.info(f"peer {self.peer_id} serves stage {stage} of run {self.run.run_id} at step {self.runner.step}")
 
     def _make_averager(self) -> StageAverager:
         config = self.config
-        averager = StageAverager(
+        return self.averager_class(
             self.runner.params, self.served_state, dht=self.dht, start=True,
             prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
             # a peer behind NAT is a DHT client, but its stage-mates still reach its averager (through a relay)
@@ -170,16 +201,11 @@ class StagePeer:
             # a groupmate that stops sending parts (it gave up, died) fails the round in seconds, not at the timeout
             next_chunk_timeout=min(config.averaging_timeout_s, 3 * config.matchmaking_time_s),
             declare_state_period=config.announce_period_s * 2, initial_group_bits="0" * 16,
-            allowlist=self.run.allowlist, fault=config.fault,
+            allowlist=self.run.allowlist,
             aggregation=self.run.aggregation if self.run.defences else None, signing_key=identity_of(self.dht).private_key,
             max_samples=float(self.run.target_batch_size), ban_s=BAN_S,
             compression=self.run.compression, block_size=self.run.compression_block_size,
         )
-        if config.fault in STATE_FAULTS:
-            # a lying server also bids to be the first choice of hivemind's downloader, which picks the
-            # replica declaring the highest priority (honest replicas declare 0)
-            averager.state_sharing_priority = 1.0
-        return averager
 
     def snapshot(self) -> PeerSnapshot:
         """This peer's figures now, for metrics and the progress line (any thread: reads only)."""
@@ -200,9 +226,8 @@ class StagePeer:
         return self.runner.state()
 
     def served_state(self):
-        """The state this replica serves to replicas that download it: its own, unless it emulates a
-        replica that serves a corrupted one (``--fault``)."""
-        return corrupt_state(self.config.fault, *self.shared_state())
+        """The state this replica serves to replicas that download it."""
+        return self.shared_state()
 
     async def move_to(self, stage: int) -> None:
         """Leave the current stage gracefully and serve ``stage``, after downloading its state."""
@@ -216,7 +241,7 @@ class StagePeer:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        if self.state == "online":
+        if self.lifecycle.online:
             try:
                 await self.checkpoints.save()
             except Exception:
@@ -225,11 +250,14 @@ class StagePeer:
         self.shutdown()
 
     def shutdown(self) -> None:
+        if self.state is not PeerState.STOPPED:
+            self.lifecycle.to(PeerState.STOPPED)
+        self.stopping.set()
         for task in self._tasks + ([self.coordinator_task] if self.coordinator_task else []):
             task.cancel()
         if self.averager is not None and self.averager.is_alive():
             self.averager.shutdown()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.compute.shutdown()
         if self.dht is not None and self.dht.is_alive():
             self.dht.shutdown()
         server, self.metrics_server = self.metrics_server, None
@@ -239,14 +267,6 @@ class StagePeer:
             self.direct.close()
 
     # ---- shared by the mechanisms ----
-
-    async def compute(self, fn, *args):
-        """Run ``fn`` on the compute thread (torch work never runs on the event loop)."""
-        self.queued += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            self.queued -= 1
 
     async def fetch_records(self) -> Dict[str, PeerRecord]:
         """The run's peer records as this peer sees them; records of peers with other run settings are left out.
@@ -263,22 +283,7 @@ class StagePeer:
         return records
 
     def notify_progress(self) -> None:
-        for event in self._progress.values():
-            event.set()
+        self.lifecycle.notify_progress()
 
     async def sleep_or_progress(self, waker: Optional[str], period_s: float, min_period_s: float) -> None:
-        """Wait ``period_s``, or less (but at least ``min_period_s``) when gradients arrive; stop on leave."""
-        started = time.monotonic()
-        events = [self.stopping, self.stage_done] if waker == "coordinate" else [self.stopping]
-        if waker is not None:
-            self._progress[waker].clear()
-            events.append(self._progress[waker])
-        waiters = {asyncio.ensure_future(event.wait()) for event in events}
-        try:
-            await asyncio.wait(waiters, timeout=period_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-        remaining = min_period_s - (time.monotonic() - started)
-        if remaining > 0 and not self.stopping.is_set():
-            await asyncio.sleep(remaining)
+        await self.lifecycle.sleep_or_progress(waker, period_s, min_period_s)

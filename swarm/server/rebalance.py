@@ -4,22 +4,28 @@ move to another stage, and move if it says so (:func:`swarm.policy.rebalance.dec
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hivemind.utils import get_logger
 
 from swarm.policy.rebalance import decide_move, next_period_s
 from swarm.dht.records import to_peer_infos
 
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
+from swarm.server.host import CurrentStage, Loops, Records, Settings
+from swarm.server.lifecycle import PeerState
 
-__all__ = ["rebalance_loop"]
+__all__ = ["rebalance_loop", "RebalanceHost"]
 
 logger = get_logger(__name__)
 
 
-async def rebalance_loop(peer: "StagePeer") -> None:
+class RebalanceHost(Settings, CurrentStage, Loops, Records, Protocol):
+    """What rebalancing reads of the peer, and the one thing it asks of it: to move to another stage."""
+
+    async def move_to(self, stage: int) -> None: ...
+
+
+async def rebalance_loop(peer: RebalanceHost) -> None:
     rng = random.Random(peer.peer_id)
     policy = peer.config.rebalance_policy
     while not peer.stopping.is_set():
@@ -28,7 +34,7 @@ async def rebalance_loop(peer: "StagePeer") -> None:
             await peer.sleep_or_progress(None, 0.5, 0.5)
             continue
         await peer.sleep_or_progress(None, next_period_s(policy, rng), 0.0)
-        if peer.stopping.is_set() or peer.state != "online":
+        if peer.stopping.is_set() or peer.state != PeerState.ONLINE:
             continue
         snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
         target = decide_move(snapshot, peer.peer_id, peer.run.num_stages, policy)

@@ -222,6 +222,7 @@ class RobustRound:
         self.seen: Dict[str, Set[str]] = {}  # sender -> hashes it signed for this round (direct and echoed)
         self.signed: Dict[str, Commitment] = {}  # sender -> the first valid commitment of it seen (direct or echoed)
         self._gradients_in = asyncio.Event()
+        self._arrival = asyncio.Event()  # set whenever a groupmate starts sending, finishes, or is refused
         self._started: Set[str] = set()  # senders whose gradient stream has begun
         self._echoes_from: Set[str] = set()
         self.held_by: Dict[str, Set[str]] = {}  # echoing member -> senders whose gradients it says it holds
@@ -257,6 +258,7 @@ class RobustRound:
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
         except Exception as e:
             self.refused.setdefault(sender, f"{type(e).__name__}: {e}")
+            self._arrival.set()
             logger.debug(f"refused a message of {sender}: {e}")
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
 
@@ -266,6 +268,7 @@ class RobustRound:
         check_commitment(commitment, self.group_id, self.size, sender)
         self._note(commitment)
         self._started.add(sender)
+        self._arrival.set()
         if adds_nothing(commitment.samples):
             self._receive_empty(sender, commitment, first)
             return
@@ -330,6 +333,7 @@ class RobustRound:
         self.signed.setdefault(commitment.sender, commitment)
 
     def _check_done(self) -> None:
+        self._arrival.set()
         if set(self.received) >= {str(p) for p in self.others}:
             self._gradients_in.set()
 
@@ -417,11 +421,13 @@ class RobustRound:
     async def _wait_for_gradients(self, started: float) -> None:
         """Until every groupmate's gradient is in, or the deadline; a groupmate that has not begun sending
         by half the round's time is not waited for once the others are done (it is likely gone)."""
-        patience = max(self.chunk_timeout, self.timeout / 2)
+        patient_until = started + max(self.chunk_timeout, self.timeout / 2)
         while not self._gradients_in.is_set() and time.monotonic() < self._deadline:
-            if time.monotonic() > started + patience and set(self.received) | set(self.refused) >= self._started:
+            past_patience = time.monotonic() > patient_until
+            if past_patience and set(self.received) | set(self.refused) >= self._started:
                 return
-            await asyncio.sleep(0.02)
+            self._arrival.clear()
+            await _wait(self._arrival, self._deadline if past_patience else min(self._deadline, patient_until))
 
     async def run(self) -> Aggregate:
         started = time.monotonic()

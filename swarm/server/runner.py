@@ -33,8 +33,9 @@ import logging
 import math
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.utils import get_logger
@@ -42,13 +43,15 @@ from hivemind.utils import get_logger
 from swarm.config.settings import RunConfig
 from swarm.model.devices import synchronize
 from swarm.model.finite import all_finite
-from swarm.model.gpt import StageModule, build_stage
+from swarm.model.footprint import COMPUTE_DTYPES
+from swarm.model.stages import PipelineStage, build_stage
 from swarm.training.optimizer import batch_share, make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
 from swarm.server.merged_backward import merged_backward, predictive_entropy
+from swarm.server.throughput import ThroughputMeter
 
-__all__ = ["StageRunner", "FrozenStep", "ThroughputMeter", "parameter_digest"]
+__all__ = ["StageRunner", "FrozenStep", "ThroughputMeter", "parameter_digest", "LossScale"]
 
 logger = get_logger(__name__)
 SPEED_TEST_ROUNDS = 5  # timed rounds of a replica's speed test at most (the fastest counts)
@@ -75,56 +78,6 @@ class FrozenStep:
     micro_batch_ids: Set[str] = field(default_factory=set)
 
 
-class ThroughputMeter:
-    """EMA of seconds of compute per sample, per kind of work; throughput = samples/s of fwd+bwd.
-
-    The first ``warmup_calls`` calls of each kind are not counted: they pay for lazy initialisation
-    (allocator, kernels) and would make a fresh replica look several times slower than it is. A kind
-    not measured for ``stale_s`` seconds no longer counts, and its next measurement starts afresh: a
-    replica that gets no work (standing by, or set aside by trainers) then reads 0, unknown, rather
-    than a figure from conditions long gone, and times itself anew (:meth:`StageRunner.measure_speed`)."""
-
-    def __init__(self, alpha: float = 0.2, warmup_calls: int = 1, stale_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.alpha, self.warmup_calls, self.stale_s, self.clock = alpha, warmup_calls, stale_s, clock
-        self.served = 0  # served calls counted so far (a replica's own speed test is not one)
-        self.cost_s: Dict[str, float] = {}
-        self.updated_at: Dict[str, float] = {}
-        self.calls: Dict[str, int] = {}
-
-    def update(self, kind: str, samples: int, elapsed_s: float) -> None:
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        if self.calls[kind] <= self.warmup_calls:
-            return
-        self.served += 1
-        now, cost = self.clock(), elapsed_s / max(samples, 1)
-        old = self.cost_s.get(kind) if self._fresh(kind, now) else None
-        self.cost_s[kind] = cost if old is None else (1 - self.alpha) * old + self.alpha * cost
-        self.updated_at[kind] = now
-
-    def set(self, kind: str, samples: int, elapsed_s: float) -> None:
-        """Replace the figure of ``kind`` with one measurement (a replica timing itself, not a served call);
-        served calls after it count from the first."""
-        self.cost_s[kind] = elapsed_s / max(samples, 1)
-        self.updated_at[kind] = self.clock()
-        self.calls[kind] = max(self.calls.get(kind, 0), self.warmup_calls)
-
-    def _fresh(self, kind: str, now: float) -> bool:
-        return kind in self.cost_s and now - self.updated_at[kind] <= self.stale_s
-
-    @property
-    def samples_per_s(self) -> float:
-        now = self.clock()
-        cost = {kind: value for kind, value in self.cost_s.items() if self._fresh(kind, now)}
-        if "forward_backward" in cost:
-            total = cost["forward_backward"]
-        elif "backward" in cost:
-            total = cost["backward"] + cost.get("forward", 0.0)
-        else:
-            return 0.0
-        return 1.0 / total if total > 0 else 0.0
-
-
 def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where: str) -> None:
     """Compares shape and dtype only (wherever ``outputs`` live: no copy), then checks the values."""
     if not isinstance(grad_outputs, torch.Tensor):
@@ -138,15 +91,56 @@ def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where
         raise ValueError(f"{where}: grad_outputs contain NaN or inf values")
 
 
+@dataclass
+class LossScale:
+    """Dynamic loss scaling for float16 compute, whose gradients underflow below 6e-8: backward runs on the
+    cotangents times :attr:`scale` and divides the parameter gradients by it before they are accumulated. A
+    micro-batch whose gradients overflow is not accumulated and halves the scale; ``growth_interval`` clean
+    micro-batches in a row double it."""
+
+    scale: float = 2.0 ** 16
+    growth_interval: int = 200  # clean micro-batches in a row before the scale doubles
+    min_scale: float = 1.0
+    max_scale: float = 2.0 ** 24
+    clean: int = 0  # clean micro-batches since the scale last changed
+
+    def update(self, overflowed: bool) -> None:
+        """Record one micro-batch's outcome."""
+        if overflowed:
+            self.scale, self.clean = max(self.scale / 2, self.min_scale), 0
+            return
+        self.clean += 1
+        if self.clean >= self.growth_interval:
+            self.scale, self.clean = min(self.scale * 2, self.max_scale), 0
+
+
+def _check_compute_dtype(dtype: str, device: torch.device) -> None:
+    """ValueError unless ``device`` can compute in ``dtype`` under autocast."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {dtype!r}")
+    if dtype == "fp16" and device.type != "cuda":
+        raise ValueError(f"dtype fp16 needs a CUDA device (loss-scaled CUDA autocast), got {device}; use bf16 or fp32")
+    if dtype == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"{device} has no bfloat16 support; use --dtype fp16 (loss-scaled) or fp32")
+    if dtype != "fp32" and device.type == "mps":
+        raise ValueError(f"dtype {dtype} is not supported on {device}; use fp32")
+
+
 class StageRunner:
     """One replica of one stage: compute, accumulate, step, and export/import its state."""
 
     def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", delay_per_sample_s: float = 0.0,
-                 poisoning: Optional[PoisoningConfig] = None, forward_cache_bytes: int = 0):
+                 poisoning: Optional[PoisoningConfig] = None, forward_cache_bytes: int = 0, dtype: str = "fp32",
+                 checkpoint_activations: bool = False):
         self.run, self.stage_index, self.device = run, stage_index, torch.device(device)
+        _check_compute_dtype(dtype, self.device)
+        # the module's weights and gradients stay float32; autocast computes in ``dtype`` (fp16 loss-scaled)
+        self.dtype = dtype
+        self.loss_scale: Optional[LossScale] = LossScale() if dtype == "fp16" else None
         self.delay_per_sample_s = delay_per_sample_s
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
-        self.module: StageModule = build_stage(run.model, stage_index, run.num_stages, run.seed).to(self.device)
+        self.module: PipelineStage = build_stage(run.model, stage_index, run.num_stages, run.seed).to(self.device)
+        self.module.checkpoint_activations = checkpoint_activations
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         # the optimizer steps host copies of the parameters on every device (the same tensors on the CPU)
         self.masters = self.params if self.device.type == "cpu" else \
@@ -195,6 +189,12 @@ class StageRunner:
                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
             }
 
+    def _autocast(self) -> ContextManager:
+        """Where the module computes: in float32, or under autocast in the compute dtype (float32 weights)."""
+        if self.dtype == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.dtype])
+
     def _to_device(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if tensor is None else tensor.to(self.device)
 
@@ -206,7 +206,9 @@ class StageRunner:
         start = time.perf_counter()
         with self.lock:
             self.num_forwards += 1
-            output = self.module(self._to_device(inputs), self._to_device(targets), reduction).cpu()
+            with self._autocast():
+                output = self.module(self._to_device(inputs), self._to_device(targets), reduction)
+            output = output.float().cpu()
         if not self.module.is_last:
             self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
         return output
@@ -215,6 +217,22 @@ class StageRunner:
         """What merged forwards run: an output row per sample (hidden states, or the last stage's per-token
         losses, whose mean over a request's own tokens is that request's loss, merged or alone)."""
         return self.forward(inputs, targets, reduction="none")
+
+    @torch.no_grad()
+    def last_logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The last stage's next-token logits at each sample's last position, [batch, vocab] float32: what a
+        generating client samples from (one row per sample keeps the reply small). Nothing is accumulated,
+        cached or counted as served work beyond the forward itself."""
+        if not self.module.is_last:
+            raise ValueError(f"{self.where} has no LM head: only the last stage computes logits")
+        # logits need no targets: zero ids stand in for them, so that the module's checks of the inputs run unchanged
+        stand_in = torch.zeros(tuple(inputs.shape[:2]), dtype=torch.long) \
+            if isinstance(inputs, torch.Tensor) and inputs.ndim >= 2 else None
+        self.module.check_inputs(inputs, stand_in)
+        with self.lock:
+            self.num_forwards += 1
+            logits = self.module.logits(inputs.to(self.device))
+            return logits[:, -1, :].float().cpu()
 
     def forward_train(self, micro_batch_id: str, inputs: torch.Tensor) -> torch.Tensor:
         """The stage output of a training forward, keeping its graph for the micro-batch's backward
@@ -247,7 +265,10 @@ class StageRunner:
             self.num_forwards += 1
         x = self._to_device(inputs)
         leaf = None if self.module.is_first else x.detach().requires_grad_(True)
-        run = lambda: self.module(x if leaf is None else leaf, self._to_device(targets))  # noqa: E731
+        def run() -> torch.Tensor:  # outputs leave (and cotangents arrive) in float32 whatever the compute dtype
+            with self._autocast():
+                return self.module(x if leaf is None else leaf, self._to_device(targets)).float()
+
         with torch.enable_grad():
             if measure:
                 outputs, saved = measure_saved_bytes(run, iter(self.params))
@@ -287,14 +308,16 @@ class StageRunner:
                 else:
                     _check_grad_outputs(grad_outputs, outputs, self.where)
                 wrt = self.params if leaf is None else [leaf] + self.params
-                grads = torch.autograd.grad(outputs, wrt, self._to_device(grad_outputs))
+                grads = self._scaled_grad(outputs, wrt, self._to_device(grad_outputs))
             grad_inputs = None if leaf is None else grads[0].cpu()
             param_grads = grads if leaf is None else grads[1:]
-            if not all(all_finite(g) for g in param_grads):
-                raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
+            if not all(all_finite(g) for g in (grads if self.loss_scale is not None else param_grads)):
+                self._overflowed(accumulate)
             if accumulate:
                 accum_step = self._accumulate(micro_batch_id, batch, param_grads)
                 self.samples_processed += batch
+                if self.loss_scale is not None:
+                    self.loss_scale.update(overflowed=False)
             else:
                 accum_step = self.accum_step
         if self.delay_per_sample_s > 0:  # an emulated slower device: a fixed cost per sample, whatever the load
@@ -303,6 +326,26 @@ class StageRunner:
         self.meter.update(kind, batch, time.perf_counter() - start)
         loss = float(outputs.detach()) if self.module.is_last else None
         return grad_inputs, loss, accum_step
+
+    def _scaled_grad(self, outputs: torch.Tensor, wrt: Sequence[torch.Tensor], cotangents: torch.Tensor
+                     ) -> Sequence[torch.Tensor]:
+        """Gradients of ``outputs`` along ``cotangents``; under fp16, computed on scaled cotangents and unscaled
+        (in float32: the parameters are float32) before anyone reads them."""
+        if self.loss_scale is None:
+            return torch.autograd.grad(outputs, wrt, cotangents)
+        scale = self.loss_scale.scale
+        return [g / scale for g in torch.autograd.grad(outputs, wrt, cotangents * scale)]
+
+    def _overflowed(self, accumulate: bool) -> None:
+        """A micro-batch's gradients are not finite: under fp16 the loss scale was too large (halve it, and the
+        trainer sends the micro-batch again); otherwise the request itself is at fault. Raises either way."""
+        if self.loss_scale is not None:
+            scale = self.loss_scale.scale
+            if accumulate:
+                self.loss_scale.update(overflowed=True)
+            raise ValueError(f"{self.where}: float16 gradients overflowed at loss scale {scale:g} (now "
+                             f"{self.loss_scale.scale:g}); not accumulated, send it again")
+        raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
 
     def measure_speed(self, samples: int) -> float:
         """Time forward and backward passes of ``samples`` made-up samples, as served calls are timed (the
@@ -340,7 +383,7 @@ class StageRunner:
             entropy = self._entropy  # the last stage's hook records every forward's; keep the served one
             if not last:
                 start = time.perf_counter()
-                with torch.no_grad():
+                with torch.no_grad(), self._autocast():
                     self.module(self._to_device(inputs), None)
                 synchronize(self.device)  # served forwards are timed up to their copy back to the CPU
                 seconds["forward"] = time.perf_counter() - start
@@ -394,6 +437,10 @@ class StageRunner:
         return results
 
     def _mergeable(self, requests: Sequence[Tuple[str, Any, Any, Any]]) -> List[int]:
+        # merging runs the stage under torch.func, which refuses activation checkpointing's saved-tensor hooks and
+        # bypasses autocast's casts (attention then meets mixed dtypes): such requests run alone
+        if self.dtype != "fp32" or self.module.checkpoint_activations:
+            return []
         frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
         chosen: List[int] = []
         seen: Set[str] = set()
@@ -649,8 +696,10 @@ class StageRunner:
             new_step = int(metadata["step"])
             lowest = [self.accum_step, new_step] + ([self.frozen.step] if self.frozen is not None else [])
             self.resets, self.reset_from = self.resets + 1, min(lowest + ([dropped_from] if dropped_from is not None else []))
-            # what we accumulated was computed on parameters we give up: drop it (trainers re-send it)
-            self.grad_sum = [torch.zeros_like(p) for p in self.params]
+            # what we accumulated was computed on parameters we give up: drop it (trainers re-send it); zeroed in
+            # place, so that adopting a state never allocates another copy of the parameters' size
+            for accumulated in self.grad_sum:
+                accumulated.zero_()
             self.samples_pending, self.pending_ids = 0, set()
             self._deferred = []
             self.step = self.accum_step = new_step

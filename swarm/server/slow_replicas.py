@@ -19,17 +19,17 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hivemind.utils import get_logger
 
 from swarm.policy.slow_replicas import SLOW_TOLERANCE, StandbyVerdict, standby_verdict
 from swarm.dht.records import to_peer_infos
 
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
+from swarm.server.host import CurrentStage, Loops, Records, Settings
+from swarm.server.lifecycle import PeerState
 
-__all__ = ["StandbyWatch", "CHECK_PERIOD_S"]
+__all__ = ["StandbyWatch", "StandbyHost", "CHECK_PERIOD_S"]
 
 logger = get_logger(__name__)
 CHECK_PERIOD_S = 5.0  # seconds between two decisions (records carry throughputs measured over seconds)
@@ -37,10 +37,14 @@ READ_TIMEOUT_S = 10.0  # seconds one read of the run's records may take
 RETIME_S = 30.0  # seconds between two speed tests of a replica standing by
 
 
+class StandbyHost(Settings, CurrentStage, Loops, Records, Protocol):
+    """What the standby decision reads of the peer: its stage, its runner's speed and the run's records."""
+
+
 class StandbyWatch:
     """Decides every ``CHECK_PERIOD_S`` whether ``peer`` stands by; ``standing_by`` and ``verdict`` hold the last decision."""
 
-    def __init__(self, peer: "StagePeer", tolerance: float = SLOW_TOLERANCE):
+    def __init__(self, peer: StandbyHost, tolerance: float = SLOW_TOLERANCE):
         self.peer, self.tolerance = peer, tolerance
         self.standing_by = False
         self.verdict: StandbyVerdict = StandbyVerdict(False, "not decided yet")
@@ -54,7 +58,7 @@ class StandbyWatch:
         if not samples or peer.runner is None:
             return 0.0
         try:
-            speed = await peer.compute(peer.runner.measure_speed, samples)
+            speed = await peer.compute.run(peer.runner.measure_speed, samples)
         except Exception as e:  # served calls will measure it; trainers meanwhile time it themselves
             logger.warning(f"stage {peer.stage}: the speed test failed ({type(e).__name__}: {e}); announcing no speed")
             return 0.0
@@ -68,9 +72,9 @@ class StandbyWatch:
         while not peer.stopping.is_set():
             try:
                 await asyncio.sleep(CHECK_PERIOD_S)
-                if peer.state == "online" and peer.runner is not None and self.retime_due():
+                if peer.state == PeerState.ONLINE and peer.runner is not None and self.retime_due():
                     await self.measure_speed()
-                if peer.state == "online":
+                if peer.state == PeerState.ONLINE:
                     records = await asyncio.wait_for(peer.fetch_records(), READ_TIMEOUT_S)
                     self.decide(to_peer_infos(records, peer.run.num_stages))
             except asyncio.CancelledError:

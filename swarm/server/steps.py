@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from hivemind.utils import get_logger
 
@@ -27,10 +27,11 @@ from swarm.dht.records import (
     CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
 )
 
-if TYPE_CHECKING:
-    from swarm.server.peer import StagePeer
+from swarm.server.averaging import StageAverager
+from swarm.server.host import CurrentStage, Loops, Records, Settings
+from swarm.server.lifecycle import PeerState
 
-__all__ = ["StepCoordinator", "DISTRUST_S", "FAST_PERIOD_S", "MEMBER_HISTORY"]
+__all__ = ["StepCoordinator", "StepsHost", "DISTRUST_S", "FAST_PERIOD_S", "MEMBER_HISTORY"]
 
 logger = get_logger(__name__)
 FAST_PERIOD_S = 0.05  # announce/check period (seconds) while a stage nears its global batch
@@ -43,11 +44,44 @@ TENTATIVE_S = 30.0  # seconds a step a minority averaged stays tentative before 
 RATE_MEMORY = 0.5  # weight of the previous estimate of the stage's rate when a read gives a new one
 
 
+class _Resync(Protocol):
+    """How a replica that fell behind downloads the stage's state (:class:`swarm.server.joining.Joining`)."""
+
+    last_source: Optional[str]
+    moved_on: Set[str]
+
+    async def download_state(self, max_attempts: Optional[int] = None) -> bool: ...
+
+
+class _Announce(Protocol):
+    async def announce(self, only_if_changed: bool = False) -> bool: ...
+
+
+class StepsHost(Settings, CurrentStage, Loops, Records, Protocol):
+    """What the step protocol reads of the peer: the stage it serves and its parts, the stage's records, and
+    the lifecycle's events and waits."""
+
+    averager: Optional[StageAverager]
+
+    @property
+    def joining(self) -> _Resync: ...
+
+    @property
+    def announcer(self) -> _Announce: ...
+
+    @property
+    def stage_done(self) -> asyncio.Event: ...
+
+    def notify_progress(self) -> None: ...
+
+
 class StepCoordinator:
     """Runs the global-step protocol for the stage ``peer`` serves now (one coordinator per stage taken up)."""
 
-    def __init__(self, peer: "StagePeer"):
+    def __init__(self, peer: StepsHost):
         self.peer = peer
+        # set whenever what decides whether a backward must wait may have changed (see wait_for_room)
+        self._room_changed = asyncio.Event()
         self.admitted = 0  # samples of backward passes admitted but not yet accumulated
         self.members: "OrderedDict[int, List[str]]" = OrderedDict()  # applied step -> peers whose gradients it averaged
         self.contributed = (0, 0)  # (base, bits): steps that included this replica's gradients
@@ -105,6 +139,7 @@ class StepCoordinator:
         last = peer.run.num_stages - 1
         self._clock_steps = tuple(r.step for r in records.values() if r.stage == last and r.state in ("online", "leaving")
                                   and r.peer_id not in self._distrusted)
+        self.room_may_have_changed()
 
     def _adopt_stage_bans(self, records: Dict[str, PeerRecord]) -> None:
         """Ban, here too, a stage-mate that most of the stage banned from averaging: a replica that was not in
@@ -143,18 +178,31 @@ class StepCoordinator:
         return near_target(self.view())
 
     def must_wait(self) -> bool:
-        return self.peer.state == "online" and must_wait(self.view())
+        return self.peer.state == PeerState.ONLINE and must_wait(self.view())
 
     async def wait_for_room(self, samples: int) -> None:
-        """Backpressure, bounded in time: wait while the policy says new gradients must wait, then admit."""
+        """Backpressure, bounded in time: wait while the policy says new gradients must wait, then admit.
+
+        What the policy decides on changes when a backward is released, a step is frozen or applied, or the
+        stage's records are read: each of those signals :meth:`room_may_have_changed`, and only then is the
+        decision taken again."""
         deadline = time.monotonic() + self.peer.config.averaging_timeout_s
         while self.must_wait() and time.monotonic() < deadline:
-            self.peer.notify_progress()
-            await asyncio.sleep(0.01)
+            self._room_changed.clear()
+            self.peer.notify_progress()  # the coordinator closes the step that holds this backward back
+            try:
+                await asyncio.wait_for(self._room_changed.wait(), deadline - time.monotonic())
+            except asyncio.TimeoutError:
+                break
         self.admitted += samples
 
     def release(self, samples: int) -> None:
         self.admitted -= samples
+        self.room_may_have_changed()
+
+    def room_may_have_changed(self) -> None:
+        """Wake the backwards waiting for room, to take the decision again."""
+        self._room_changed.set()
 
     # ---- the loop ----
 
@@ -166,6 +214,8 @@ class StepCoordinator:
                 await self.coordinate_once()
             except Exception:
                 logger.exception("step coordination failed; retrying")
+            finally:
+                self.room_may_have_changed()
             view = self.view()
             waker = "coordinate" if near_target(view) or peer.runner.frozen is not None else None
             period = seconds_between_reads(view, peer.config.poll_period_s, peer.config.announce_period_s)
@@ -211,7 +261,7 @@ class StepCoordinator:
     async def _global_step(self, view: StageView) -> None:
         peer = self.peer
         claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
-        frozen = await peer.compute(peer.runner.freeze)
+        frozen = await peer.compute.run(peer.runner.freeze)
         if frozen.step != self._failed_step:
             self._failed_step, self._failed_rounds = frozen.step, 0
         mates = stage_mates(view)
@@ -320,7 +370,8 @@ class StepCoordinator:
         peer = self.peer
         step = peer.runner.frozen.step
         self.history.append(peer.runner.version)
-        await peer.compute(peer.runner.apply, mean_grads, total_samples)
+        await peer.compute.run(peer.runner.apply, mean_grads, total_samples)
+        self.room_may_have_changed()
         self._failed_rounds = 0
         self.remember(step, members)
         if tentative:

@@ -35,6 +35,12 @@ class ChurnEvent:
     peer_id: str
     hardware: Optional[Hardware] = None  # for joins
 
+    def joining_hardware(self) -> Hardware:
+        """The hardware of the peer this event brings in: a join without it is a malformed trace."""
+        if self.hardware is None:
+            raise ValueError(f"the {self.kind} event of {self.peer_id} at {self.time_s}s names no hardware")
+        return self.hardware
+
 
 def generate_churn(config: SimConfig) -> List[ChurnEvent]:
     """Joins and preemptions over the configured horizon, sorted by time (then by peer id)."""

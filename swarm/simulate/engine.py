@@ -45,7 +45,7 @@ import random
 
 import numpy as np
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from swarm.policy.rebalance import choose_stage_for_new_peer, next_period_s, plan_moves
 from swarm.policy.routing import Router
@@ -123,8 +123,10 @@ class _Run:
         # records the trainers may route to, per stage: the Router only ever picks online
         # peers, so joining and leaving records cannot change a stage's routing distribution
         self.online: List[Dict[str, PeerInfo]] = [{} for _ in range(config.num_stages)]
-        self.version, self._plan_version, self._plan, self._plan_time = 0, -1, {}, -math.inf
-        self._snapshot_version, self._snapshot = -1, []
+        self.version, self._plan_version, self._plan_time = 0, -1, -math.inf
+        self._plan: Dict[str, int] = {}  # peer id -> the stage the last rebalancing plan moves it to
+        self._snapshot_version = -1
+        self._snapshot: List[PeerInfo] = []
         empty = _StageFlow((), np.zeros(0), np.zeros(0), 0.0, 0.0)
         self._offered, self._completed = 0.0, 0.0  # samples/s offered to every stage, completed by the swarm
         self.stage_flows: List[_StageFlow] = [empty] * config.num_stages
@@ -217,11 +219,12 @@ class _Run:
         return self.join_rng.randrange(self.config.num_stages)
 
     def on_join(self, now: float, peer_id: str, event: ChurnEvent) -> None:
-        units = effective_units(event.hardware, self.config)
+        hardware = event.joining_hardware()
+        units = effective_units(hardware, self.config)
         throughput = units * self.config.throughput_quantum
         stage = self._join_stage()
-        hop_s = hop_time_s(event.hardware, throughput, self.config)
-        self.peers[peer_id] = _Peer(event.hardware, throughput, hop_s, stage)
+        hop_s = hop_time_s(hardware, throughput, self.config)
+        self.peers[peer_id] = _Peer(hardware, throughput, hop_s, stage)
         self._announce(peer_id)
         self._push(now + self.config.join_time_s, "online", peer_id, 0)
         if self.rebalancing:
@@ -323,9 +326,10 @@ class _Run:
             self._push(k * config.sample_period_s, "sample", "")
         optimum_index, now = 0, 0.0
         flow, trainer_bound = 0.0, False
-        handlers = {"join": self.on_join, "online": self.on_online, "measured": self.on_measured,
-                    "preempt": self.on_preempt, "crash": self.on_crash, "detect": self.on_detect,
-                    "unban": self.on_unban, "gone": self.on_gone, "tick": self.on_tick}
+        handlers: Dict[str, Callable[..., None]] = {
+            "join": self.on_join, "online": self.on_online, "measured": self.on_measured, "preempt": self.on_preempt,
+            "crash": self.on_crash, "detect": self.on_detect, "unban": self.on_unban, "gone": self.on_gone,
+            "tick": self.on_tick}
         heap = self.heap
         while heap and heap[0][0] <= horizon_s:
             time_s, _, kind, peer_id, payload = heapq.heappop(heap)

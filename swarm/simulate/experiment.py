@@ -51,14 +51,15 @@ def optimum_timeline(config: SimConfig, churn: Sequence[ChurnEvent]) -> OptimumT
         while index < len(changes) and changes[index][0] == now:
             _, is_add, peer_id = changes[index]
             if is_add:
-                tracker.add(peer_id, effective_units(joins[peer_id].hardware, config))
+                tracker.add(peer_id, effective_units(joins[peer_id].joining_hardware(), config))
             else:
                 tracker.remove(peer_id)
             index += 1
         result = tracker.optimum()
         evaluations += 1
         inexact += not result.exact
-        steps.append((now, result.upper * config.throughput_quantum))
+        upper = result.value if result.upper is None else result.upper  # filled in by PartitionResult itself
+        steps.append((now, upper * config.throughput_quantum))
     return OptimumTimeline(steps, evaluations, inexact)
 
 

@@ -2,8 +2,9 @@
 
 Model (documented simplifications): each peer has a compute throughput (samples/s for
 forward+backward), an access bandwidth and an access latency; a micro-batch entering a peer
-pays that peer's access latency on the way in and out, forward and backward. A peer serving x samples/s moves 4 activation-sized tensors per sample (inputs
-and outputs, forward and backward), so its bandwidth caps it at bw / (4 * activation size).
+pays that peer's access latency on the way in and out, forward and backward. A peer serving x
+samples/s moves 4 activation-sized tensors per sample (inputs and outputs, forward and backward), so
+its bandwidth caps it at bw / (4 * activation size).
 Its *effective* throughput is the smaller of the two, rounded to the throughput quantum;
 this is what it measures, announces, and what the optimum assigns.
 """
@@ -55,7 +56,8 @@ def effective_units(hardware: Hardware, config: SimConfig) -> int:
 
 def hop_time_s(hardware: Hardware, throughput: float, config: SimConfig) -> float:
     """Seconds a micro-batch spends at one peer: compute + two latencies + transfers, fwd and bwd."""
-    transfer_s = config.microbatch_size * config.activation_mib_per_sample * _MIB * 8.0 / (hardware.bandwidth_mbps * 1e6)
+    bits = config.microbatch_size * config.activation_mib_per_sample * _MIB * 8.0
+    transfer_s = bits / (hardware.bandwidth_mbps * 1e6)
     return config.microbatch_size / throughput + 2.0 * hardware.latency_s + 2.0 * transfer_s
 
 

@@ -217,7 +217,7 @@ class MaxMinTracker:
                         break
                 if step is not None:
                     break
-            if step is None:
+            if step is None or high is None:
                 break
             from_high, from_low = step
             for value in from_high:
@@ -248,13 +248,9 @@ def _branch_and_bound(values: Sequence[int], num_bins: int, incumbent: int) -> i
     best = incumbent
 
     def bound(remaining: int) -> int:
-        ordered = sorted(loads)
-        running, result = 0, None
-        for k, load in enumerate(ordered, start=1):
-            running += load
-            value = (running + remaining) // k
-            result = value if result is None else min(result, value)
-        return result
+        # the k lightest bins can reach at most (their loads + everything left) / k each
+        lightest = itertools.accumulate(sorted(loads))
+        return min((running + remaining) // k for k, running in enumerate(lightest, start=1))
 
     def search(i: int) -> None:
         nonlocal best

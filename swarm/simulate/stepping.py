@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, absent_claimants, distrust_seconds, full_group_size, majority_state, must_wait, near_target,
-    near_threshold, needs_resync, others_pending, others_reserved, overclaimers, rounds_before_stepping_alone,
-    step_alone, step_is_due, trusted_others,
+    ReplicaClaim, StageView, absent_claimants, distrust_seconds, full_group_size, majority_state, must_wait,
+    near_target, near_threshold, needs_resync, others_pending, others_reserved, overclaimers,
+    rounds_before_stepping_alone, step_alone, step_is_due, trusted_others,
 )
 from swarm.config.simulation import StepSimConfig
 
@@ -179,8 +179,7 @@ class StepSim:
         self._announce(stage)
         deciders = self._deciders(stage)
         if deciders:
-            claims = tuple(r.claim for r in stage.replicas.values())
-            view = self._view(stage, stage.replicas[deciders[0]], claims, ())
+            view = self._view(stage, stage.replicas[deciders[0]], self._announced(stage), ())
             self._reschedule(stage, self._next_clock_check(stage, view))
 
     # ---- events ----
@@ -285,6 +284,18 @@ class StepSim:
     def _claim_of(self, replica: _Replica) -> ReplicaClaim:
         return ReplicaClaim(replica.peer_id, replica.step, replica.accum_step, int(replica.pending), 0, replica.digest)
 
+    @staticmethod
+    def _announced(stage: _Stage) -> Tuple[ReplicaClaim, ...]:
+        """The claims the stage's records carry: a replica that never announced has none."""
+        return tuple(r.claim for r in stage.replicas.values() if r.claim is not None)
+
+    @staticmethod
+    def _round(stage: _Stage) -> _Round:
+        """The round under way at ``stage``: only its events and the steps it applies look at it."""
+        if stage.round is None:
+            raise RuntimeError(f"stage {stage.index} has no averaging round under way")
+        return stage.round
+
     def _view(self, stage: _Stage, replica: _Replica, claims: Tuple[ReplicaClaim, ...],
               clock_steps: Tuple[int, ...]) -> StageView:
         now = self.now
@@ -312,7 +323,7 @@ class StepSim:
         self._settle(stage)
         self._read_rates(stage)
         self._announce(stage)
-        claims = tuple(r.claim for r in stage.replicas.values())
+        claims = self._announced(stage)
         clock_steps = self._clock_steps()
         if not stage.is_clock:
             self._schedule(stage, now + config.idle_check_period_s)
@@ -375,7 +386,8 @@ class StepSim:
                     stage.round is not None and replica.peer_id in stage.round.members):
                 continue
             if needs_resync(self._view(stage, replica, claims, clock_steps)):
-                replica.busy_until, replica.busy_cause, replica.waiting = self.now + self.config.resync_time_s, "resync", False
+                replica.busy_until, replica.busy_cause = self.now + self.config.resync_time_s, "resync"
+                replica.waiting = False
                 self.report.resyncs += 1
                 self._push(replica.busy_until, "resynced", stage.index, replica.peer_id)
 
@@ -413,13 +425,13 @@ class StepSim:
             self._start_round(stage, "failed_rounds", 3.0 * self.config.matchmaking_time_s, "round_failed")
 
     def _start_round(self, stage: _Stage, cause: str, duration_s: float, kind: str) -> None:
-        for peer_id in stage.round.members:
+        for peer_id in self._round(stage).members:
             replica = stage.replicas[peer_id]
             replica.busy_until, replica.busy_cause = self.now + duration_s, cause
         self._push(self.now + duration_s, kind, stage.index)
 
     def _live_members(self, stage: _Stage) -> List[str]:
-        return [p for p in stage.round.members if p in stage.replicas and stage.replicas[p].alive]
+        return [p for p in self._round(stage).members if p in stage.replicas and stage.replicas[p].alive]
 
     def _averaged(self, stage: _Stage) -> None:
         self._settle(stage)
@@ -445,7 +457,7 @@ class StepSim:
                                              self.config.max_failed_rounds)
         if step_alone(replica.failed_rounds, limit):
             self.report.steps_alone += 1
-            self._distrust(stage, stage.round.others, transient=True)
+            self._distrust(stage, self._round(stage).others, transient=True)
             self._apply(stage, members)
         else:
             self._start_round(stage, "failed_rounds", 3.0 * self.config.matchmaking_time_s, "round_failed")
@@ -462,7 +474,7 @@ class StepSim:
 
     def _apply(self, stage: _Stage, members: List[str]) -> None:
         """Apply the step with the members' gradients; the clock's steps are the swarm's global steps."""
-        round_, now = stage.round, self.now
+        round_, now = self._round(stage), self.now
         gathered = {p: int(stage.replicas[p].pending) for p in members}
         self._distrust(stage, sorted(overclaimers(round_.claims, gathered)))
         self._distrust(stage, sorted(absent_claimants(round_.claims, gathered)), transient=True)

@@ -7,6 +7,9 @@ end-of-document token.
 
 The train/validation split is by document: a stable hash of the document's name decides
 membership, so the split does not depend on file order, on ``max_bytes``, or on the machine.
+
+A run that names a tokenizer (:mod:`swarm.training.tokenizer`) reads the same documents as text and
+trains on token ids instead (:mod:`swarm.training.tokenized`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -33,6 +36,7 @@ __all__ = [
     "load_hf_dataset",
     "BatchSampler",
     "validation_batches",
+    "text_documents",
 ]
 
 DOCUMENT_SEPARATOR = b"\x00"
@@ -73,6 +77,9 @@ class Corpus:
             if array.size == 0:
                 raise ValueError(f"{name} must not be empty")
 
+    def close(self) -> None:
+        """Nothing to stop: a byte corpus holds no thread (:class:`TokenizedCorpus` does)."""
+
 
 def load_corpus(
     paths: Optional[Sequence[PathLike]] = None,
@@ -84,16 +91,24 @@ def load_corpus(
     JSONL files hold one JSON object per line with a string ``"text"`` field; each line is
     one document. ``max_bytes`` caps the total bytes read, documents taken in order.
     """
+    return _split_documents(_documents(paths), max_bytes, validation_fraction)
+
+
+def _documents(paths: Optional[Sequence[PathLike]]) -> Iterable[_Document]:
+    """The stdlib's sources (``paths=None``), or the documents of local files and directories."""
     if paths is None:
         root = Path(sysconfig.get_paths()["stdlib"])
-        documents: Iterable[_Document] = (
-            (path.relative_to(root).as_posix(), path.read_bytes()) for path in stdlib_source_files()
-        )
-    else:
-        if isinstance(paths, (str, Path)):
-            paths = [paths]  # a lone path is an easy mistake; a str is not a list of 1-char paths
-        documents = _local_documents([Path(p) for p in paths])
-    return _split_documents(documents, max_bytes, validation_fraction)
+        return ((path.relative_to(root).as_posix(), path.read_bytes()) for path in stdlib_source_files())
+    if isinstance(paths, (str, Path)):
+        paths = [paths]  # a lone path is an easy mistake; a str is not a list of 1-char paths
+    return _local_documents([Path(p) for p in paths])
+
+
+def text_documents(paths: Optional[Sequence[PathLike]]) -> Iterator[Tuple[str, str]]:
+    """(name, text) of each document :func:`load_corpus` would read from ``paths``; bytes that are not
+    UTF-8 become U+FFFD, as a tokenizer needs text."""
+    for name, content in _documents(paths):
+        yield name, content.decode("utf-8", errors="replace")
 
 
 def load_hf_dataset(
@@ -107,6 +122,11 @@ def load_hf_dataset(
     Needs the optional extra: ``pip install swarm[hf]``. Our own train/validation split is
     applied to the rows of ``split``, so validation is held out whatever the dataset offers.
     """
+    return _split_documents(_hf_documents(name_or_path, split, text_field), max_bytes, DEFAULT_VALIDATION_FRACTION)
+
+
+def _hf_documents(name_or_path: str, split: str, text_field: str) -> Iterator[_Document]:
+    """The rows of a Hugging Face dataset as documents; the dataset is opened (and checked) at once."""
     try:
         import datasets
     except ImportError as error:
@@ -130,7 +150,7 @@ def load_hf_dataset(
                 raise ValueError(f"{name_or_path}: row {row_index}: {text_field!r} is not a string")
             yield f"{name_or_path}#{row_index}", text.encode("utf-8")
 
-    return _split_documents(documents(), max_bytes, DEFAULT_VALIDATION_FRACTION)
+    return documents()
 
 
 def _local_documents(paths: Sequence[Path]) -> Iterator[_Document]:
@@ -165,10 +185,10 @@ def _file_documents(path: Path, name: str) -> Iterator[_Document]:
             yield f"{name}#{line_number}", record["text"].encode("utf-8")
 
 
-def _split_documents(
+def _assign_documents(
     documents: Iterable[_Document], max_bytes: Optional[int], validation_fraction: float
-) -> Corpus:
-    """Cap the documents at ``max_bytes`` and assign each to train or validation by name hash."""
+) -> dict[bool, list[bytes]]:
+    """Cap the documents at ``max_bytes`` and assign each to train (False) or validation (True) by name hash."""
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
         raise ValueError(f"max_bytes must be a positive int or None, got {max_bytes!r}")
     if not 0.0 < validation_fraction < 1.0:
@@ -180,20 +200,30 @@ def _split_documents(
             content = content[: max_bytes - total]
         if not content:
             continue
-        splits[_in_validation(name, validation_fraction)].extend((content, DOCUMENT_SEPARATOR))
+        splits[_in_validation(name, validation_fraction)].append(content)
         total += len(content)
         if max_bytes is not None and total >= max_bytes:
             break
     if not splits[False] and not splits[True]:
         raise ValueError("no data: the given paths hold no non-empty documents")
+    return splits
+
+
+def _split_documents(
+    documents: Iterable[_Document], max_bytes: Optional[int], validation_fraction: float
+) -> Corpus:
+    """Byte tokens of the documents, capped at ``max_bytes``, each one followed by the separator."""
+    splits = _assign_documents(documents, max_bytes, validation_fraction)
+    joined = {side: b"".join(part for content in contents for part in (content, DOCUMENT_SEPARATOR))
+              for side, contents in splits.items()}
     if not splits[False] or not splits[True]:
         # Too few documents for a split by document: split the byte stream instead, so
         # neither side is empty (the last fraction of the stream becomes validation).
-        stream = b"".join(splits[False] or splits[True])
+        stream = joined[False] or joined[True]
         # every document contributes at least one byte plus its separator, so len(stream) >= 2
         cut = min(len(stream) - 1, max(1, round(len(stream) * (1.0 - validation_fraction))))
         return Corpus(_to_tokens(stream[:cut]), _to_tokens(stream[cut:]))
-    return Corpus(_to_tokens(b"".join(splits[False])), _to_tokens(b"".join(splits[True])))
+    return Corpus(_to_tokens(joined[False]), _to_tokens(joined[True]))
 
 
 def _in_validation(name: str, validation_fraction: float) -> bool:

@@ -13,7 +13,8 @@ from typing import Iterable
 import torch
 
 from swarm.training.data import BatchSampler, Corpus
-from swarm.model.gpt import FullModel, ModelConfig
+from swarm.model.gpt import ModelConfig
+from swarm.model.stages import FullModel
 from swarm.training.optimizer import OptimizerConfig, make_optimizer, optimizer_step
 
 __all__ = ["evaluate", "train_single_process"]

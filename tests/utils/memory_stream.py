@@ -75,7 +75,8 @@ class MemoryStreams:
     async def open(self) -> Tuple[SimpleNamespace, asyncio.StreamReader, MemoryWriter]:
         to_server, to_caller = asyncio.StreamReader(), asyncio.StreamReader()
         info = SimpleNamespace(peer_id=self.caller)
-        serving = asyncio.ensure_future(self.servicer.serve_stream(info, to_server, TamperingReplyWriter(to_caller, self.tamper)))
+        replies = TamperingReplyWriter(to_caller, self.tamper)
+        serving = asyncio.ensure_future(self.servicer.serve_stream(info, to_server, replies))
         self._serving.add(serving)
         serving.add_done_callback(self._serving.discard)
         return info, to_caller, MemoryWriter(to_server)

@@ -21,12 +21,13 @@ class Probe:
     """A DHT node of the run (with the run's record validators and its own identity) that reads
     records and calls peers; it can also announce records of its own, as a lying peer would."""
 
-    def __init__(self, initial_peers: Sequence[str], run_id: str, num_stages: int = 2, identity: Optional[Identity] = None,
-                 allowlist: Sequence[str] = (), host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
+    def __init__(self, initial_peers: Sequence[str], run_id: str, num_stages: int = 2,
+                 identity: Optional[Identity] = None, allowlist: Sequence[str] = (),
+                 host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
         self.run_id, self.num_stages = run_id, num_stages
         network = NetworkConfig(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs))
-        self.dht = start_dht(network, run_id=run_id, num_stages=num_stages,
-                             identity=identity, authorizer=None if identity is None else authorizer_for(allowlist, identity))
+        authorizer = None if identity is None else authorizer_for(allowlist, identity)
+        self.dht = start_dht(network, run_id=run_id, num_stages=num_stages, identity=identity, authorizer=authorizer)
         self._p2p = None
         self._directory = Directory(self.dht, run_id, num_stages, home=self.peer_id, rotate=-1)
 
@@ -53,8 +54,9 @@ class Probe:
             if predicate(records):
                 return records
             await asyncio.sleep(0.3)
-        summary = [(r.peer_id[-6:], r.stage, r.state, f"step={r.step}", f"accum={r.accum_step}", f"pending={r.samples_pending}",
-                    f"frozen={r.samples_frozen}", f"applied={r.samples_applied}") for r in records.values()]
+        summary = [(r.peer_id[-6:], r.stage, r.state, f"step={r.step}", f"accum={r.accum_step}",
+                    f"pending={r.samples_pending}", f"frozen={r.samples_frozen}", f"applied={r.samples_applied}")
+                   for r in records.values()]
         raise TimeoutError(f"timed out after {timeout}s waiting for {what}; records: {summary}")
 
     def shutdown(self) -> None:

@@ -47,7 +47,7 @@ class Launcher:
     def peer(self, stage, num_stages: int = 2, target_batch_size: int = 64, extra: Sequence[str] = (),
              wait: bool = True, name: Optional[str] = None) -> RoleProcess:
         args = ["--stage", str(stage), *self.run_args(num_stages, target_batch_size), *FAST_PEER, *DEVICE, *extra]
-        process = self.start("peer", args, name=name)
+        process = self.start("faulty_peer" if "--fault" in args else "peer", args, name=name)
         if wait:
             process.wait_event("peer_ready", timeout=90)
         return process
