@@ -245,11 +245,11 @@ def test_a_round_is_over_once_a_majority_holds_a_later_state():
 
 
 def test_a_replica_measures_its_stages_rate_from_the_growth_of_the_stages_pending_samples(monkeypatch):
-    from swarm.server import stepping
+    from swarm.server import steps
 
-    coordinator = stepping.StepCoordinator(peer=None)
+    coordinator = steps.StepCoordinator(peer=None)
     clock = iter([10.0, 11.0, 12.0, 12.5, 14.0])
-    monkeypatch.setattr(stepping.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(steps.time, "monotonic", lambda: next(clock))
     coordinator._measure_rate(view(samples_pending=10, others=(claim(pending=10),)))
     assert coordinator.samples_per_s is None, "one read gives no rate"
     coordinator._measure_rate(view(samples_pending=20, others=(claim(pending=20),)))
