@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 
-.PHONY: venv demo lint test bench clean
+.PHONY: venv demo format lint test test-long bench clean
 
 venv: $(VENV)/.installed
 
@@ -22,14 +22,25 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(BIN)/swarm demo --config examples/demo.yaml
 
-# ruff and mypy read their settings from pyproject.toml; mypy keeps a cache in .mypy_cache, so a second run is quick
+# ruff and mypy read their settings from pyproject.toml; mypy keeps a cache in .mypy_cache, so a second run is quick.
+# `make format` lays out swarm/ and peers/ as `make lint` demands.
+format: venv
+	$(BIN)/ruff format swarm peers
+
 lint: venv
 	$(BIN)/ruff check swarm peers
+	$(BIN)/ruff format --check swarm peers
 	$(BIN)/python tools/mypy_baseline.py
 
-# lint first: a type error fails in seconds, not after the live tests; -rs names every skipped test and why
+# lint first: a type error fails in seconds, not after the live tests; -rs names every skipped test and why.
+# `test` leaves out the long live runs (marked `long`: a swarm trained to a loss, churn, attacks, the demo);
+# `test-long` runs just those, and CI (.ci/run) runs both.
+PYTEST := $(BIN)/python -m pytest -q -rs -p no:cacheprovider --durations=20
 test: lint
-	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --durations=20 tests
+	$(PYTEST) -m "not long" tests
+
+test-long: venv
+	$(PYTEST) -m long tests
 
 bench: venv
 	$(BIN)/python benchmarks/pipeline.py

@@ -57,7 +57,9 @@ def _quiet_lost_daemon(loop: asyncio.AbstractEventLoop, context: Dict[str, Any])
     the whole process group (Ctrl-C, ``kill -- -PGID``, systemd) stops p2pd before the role has left."""
     error = context.get("exception")
     if isinstance(error, _LOST_CONNECTION) and context.get("message") == "Task exception was never retrieved":
-        logging.getLogger("swarm").info(f"a background task lost its connection to p2pd: {type(error).__name__}: {error}")
+        logging.getLogger("swarm").info(
+            f"a background task lost its connection to p2pd: {type(error).__name__}: {error}"
+        )
         return
     loop.default_exception_handler(context)
 
@@ -84,9 +86,13 @@ MANIFEST_FETCH_TIMEOUT_S = 30.0  # seconds to reach the organiser and get its ma
 
 
 def _add_join(parser) -> None:
-    parser.add_argument("--join", default=None, metavar="ADDRESS",
-                        help="join the run organised by the peer at ADDRESS (a multiaddr ending in /p2p/<peer id>): "
-                             "its signed manifest supplies every run setting, and ADDRESS becomes an initial peer")
+    parser.add_argument(
+        "--join",
+        default=None,
+        metavar="ADDRESS",
+        help="join the run organised by the peer at ADDRESS (a multiaddr ending in /p2p/<peer id>): "
+        "its signed manifest supplies every run setting, and ADDRESS becomes an initial peer",
+    )
 
 
 async def fetch_run_manifest(address: str, timeout: float = MANIFEST_FETCH_TIMEOUT_S):
@@ -243,31 +249,41 @@ def _megabytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.0f} MB" if num_bytes >= 2**20 else f"{num_bytes / 2**20:.2f} MB"
 
 
-def describe_join(role: str, run: Any, manifest: Any, device: str, stage: Any = None,
-                  forward_cache_mb: float = 0.0) -> str:
+def describe_join(
+    role: str, run: Any, manifest: Any, device: str, stage: Any = None, forward_cache_mb: float = 0.0
+) -> str:
     """What a role is about to do, in a few plain lines, before it starts: the run, the model, what this
     role will do on which device and, for a peer, the memory it expects to need."""
     from swarm.model.footprint import PROCESS_BASE_BYTES, expected_footprint
 
     access = "anyone may join" if not run.allowlist else f"private run, {len(run.allowlist)} allowed peers"
-    lines = [f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
-             f"{access})",
-             f"  model:  {_human(parameter_count(run.model))} parameters ({run.model.num_layers} layers, hidden size "
-             f"{run.model.hidden_size}) cut into {run.num_stages} stages, {run.target_batch_size} samples per global step",
-             f"  tokens: {'bytes' if not run.tokenizer_sha256 else f'the tokenizer {run.tokenizer_sha256}'} "
-             f"(vocabulary {run.model.vocab_size})"]
+    lines = [
+        f"Joining run {run.run_id!r} organised by {manifest.organiser} (manifest revision {manifest.revision}; "
+        f"{access})",
+        f"  model:  {_human(parameter_count(run.model))} parameters ({run.model.num_layers} layers, hidden size "
+        f"{run.model.hidden_size}) cut into {run.num_stages} stages, {run.target_batch_size} samples per global step",
+        f"  tokens: {'bytes' if not run.tokenizer_sha256 else f'the tokenizer {run.tokenizer_sha256}'} "
+        f"(vocabulary {run.model.vocab_size})",
+    ]
     if role != "peer":
         return "\n".join(lines + [f"  this {role} will push micro-batches through the pipeline on device {device}"])
     auto = stage == "auto"
     footprint = expected_footprint(run.model, run.num_stages, stage, forward_cache_mb, device)
     up_to = "up to " if auto else ""
     cache = f" + up to {_megabytes(footprint.cache_bytes)} of cached forwards" if footprint.cache_bytes else ""
-    lines.append(f"  this peer will serve {'the stage that needs capacity most (auto)' if auto else f'stage {stage}'} "
-                 f"on device {device}: {up_to}{_human(footprint.parameters)} parameters")
+    lines.append(
+        f"  this peer will serve {'the stage that needs capacity most (auto)' if auto else f'stage {stage}'} "
+        f"on device {device}: {up_to}{_human(footprint.parameters)} parameters"
+    )
     state = "parameters and gradients" if footprint.host_bytes else "parameters, gradients and optimizer state"
-    host = f"{up_to or 'about '}{_megabytes(footprint.host_bytes)} of host memory for the optimizer's state and " \
-        if footprint.host_bytes else "about "
-    lines.append(f"  memory: {up_to or 'about '}{_megabytes(footprint.device_bytes)} on {device} "
-                 f"({_megabytes(footprint.state_bytes)} of {state}{cache}), "
-                 f"plus {host}{_megabytes(PROCESS_BASE_BYTES)} for the process itself")
+    host = (
+        f"{up_to or 'about '}{_megabytes(footprint.host_bytes)} of host memory for the optimizer's state and "
+        if footprint.host_bytes
+        else "about "
+    )
+    lines.append(
+        f"  memory: {up_to or 'about '}{_megabytes(footprint.device_bytes)} on {device} "
+        f"({_megabytes(footprint.state_bytes)} of {state}{cache}), "
+        f"plus {host}{_megabytes(PROCESS_BASE_BYTES)} for the process itself"
+    )
     return "\n".join(lines)

@@ -5,6 +5,8 @@ its identity key, serves them as the ``manifest`` RPC, keeps them published in t
 prints the one-address command volunteers join with (``swarm peer --join ADDRESS``).
 With ``--tokenizer tokenizer.json`` as well, the manifest names that file by its SHA-256 and the
 organiser serves its bytes as the ``tokenizer`` RPC, from which joining trainers fetch it.
+With ``--init_from DIR`` (a Hugging Face checkpoint), the run starts from those weights: the manifest signs
+the hash of its config.json and of each stage's tensors, and peers load their stage from their own copy.
 """
 
 from __future__ import annotations
@@ -29,13 +31,57 @@ MANIFEST_REPUBLISH_S = 60.0  # seconds between re-publications of the manifest
 MANIFEST_RETRY_S = 5.0  # seconds before retrying a failed publication
 
 
-def load_run_manifest(path: str) -> RunConfig:
-    """The run settings of a manifest file (a YAML mapping of RunConfig's fields)."""
+def load_run_manifest(path: str, init_from: Optional[str] = None) -> RunConfig:
+    """The run settings of a manifest file (a YAML mapping of RunConfig's fields). With ``init_from`` (a
+    checkpoint directory), model settings the file leaves out are the checkpoint's."""
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"cannot read the manifest file {path}: {e}") from None
-    return config_from_dict(RunConfig, data if data is not None else {})
+    data = data if data is not None else {}
+    if init_from is not None and isinstance(data, dict):
+        data = {**data, "model": _model_from_checkpoint(init_from, data.get("model"))}
+    return config_from_dict(RunConfig, data)
+
+
+def _model_from_checkpoint(path: str, given: object) -> object:
+    """The manifest's model settings over the checkpoint's (a malformed section is left for the loader to name)."""
+    from swarm.model.hf_checkpoint import config_from_hf
+
+    if given is not None and not isinstance(given, dict):
+        return given
+    given = given or {}
+    seq_len = given.get("seq_len")
+    found = dataclasses.asdict(config_from_hf(path, seq_len=seq_len if isinstance(seq_len, int) else None))
+    return {**found, **given}
+
+
+def attach_checkpoint(run: RunConfig, path: Optional[str]) -> RunConfig:
+    """The run signing the checkpoint at ``path`` (its config.json's hash and each stage's tensor digest).
+
+    Raises :class:`ValueError` (``CheckpointError``) when the checkpoint is unusable or its config differs from
+    the run's model, or when the manifest signs another checkpoint."""
+    from swarm.model.initial_weights import sign_checkpoint
+
+    if path is None:
+        if run.starts_from_checkpoint:
+            raise ValueError(
+                "the manifest signs a checkpoint (init_stage_digests): give its directory with "
+                "--init_from DIR, so that its hashes are checked against it"
+            )
+        return run
+    signature = sign_checkpoint(path, run.model, run.num_stages)
+    if run.starts_from_checkpoint and (run.init_config_sha256, run.init_stage_digests) != (
+        signature.config_sha256,
+        list(signature.stage_digests),
+    ):
+        raise ValueError(
+            f"the manifest signs another checkpoint than {path} (its init_config_sha256 or "
+            f"init_stage_digests differ from the directory's)"
+        )
+    return dataclasses.replace(
+        run, init_config_sha256=signature.config_sha256, init_stage_digests=list(signature.stage_digests)
+    )
 
 
 def attach_tokenizer(run: RunConfig, path: Optional[str]) -> Tuple[RunConfig, Optional[bytes]]:
@@ -48,8 +94,10 @@ def attach_tokenizer(run: RunConfig, path: Optional[str]) -> Tuple[RunConfig, Op
 
     if path is None:
         if run.tokenizer_sha256:
-            raise ValueError(f"the manifest names the tokenizer {run.tokenizer_sha256}: give its file with "
-                             f"--tokenizer PATH so that joining trainers can fetch it")
+            raise ValueError(
+                f"the manifest names the tokenizer {run.tokenizer_sha256}: give its file with "
+                f"--tokenizer PATH so that joining trainers can fetch it"
+            )
         return run, None
     data = read_tokenizer_file(path)
     tokenizer = tokenizer_from_bytes(data, path)
@@ -104,8 +152,12 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None, tokeni
     stop = stop_event()
     # an entry point is also the relay of the run's peers that others cannot reach
     if run is None:  # a plain entry point; with run_id its storage refuses anything but the run's signed records
-        dht = start_dht(config.network, run_id=config.run_id, num_stages=config.num_stages if config.run_id else None,
-                        p2p_options=RELAY_SERVICE_OPTIONS)
+        dht = start_dht(
+            config.network,
+            run_id=config.run_id,
+            num_stages=config.num_stages if config.run_id else None,
+            p2p_options=RELAY_SERVICE_OPTIONS,
+        )
     else:
         dht = start_run_dht(config.network, run, p2p_options=RELAY_SERVICE_OPTIONS)
     tasks: List[asyncio.Task] = []
@@ -122,15 +174,37 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None, tokeni
         else:
             address = join_address(maddrs, str(dht.peer_id))
             if config.network.identity_path is None:
-                logger.warning("no --identity_path: this organiser's peer id, and so the join address, "
-                               "changes on every restart")
-            print(f"Run {run.run_id!r} is organised here. Volunteers join with:\n  swarm peer --join {address}\n"
-                  f"Trainers with:\n  swarm train --join {address}", flush=True)
+                logger.warning(
+                    "no --identity_path: this organiser's peer id, and so the join address, changes on every restart"
+                )
+            print(
+                f"Run {run.run_id!r} is organised here. Volunteers join with:\n  swarm peer --join {address}\n"
+                f"Trainers with:\n  swarm train --join {address}",
+                flush=True,
+            )
+            if run.starts_from_checkpoint:
+                print(
+                    f"The run starts from the checkpoint {config.init_from}: the first peer of each stage needs a "
+                    f"copy of it (swarm peer --join {address} --init_from DIR); the manifest signs its config "
+                    f"{run.init_config_sha256[:16]}... and each stage's tensors.",
+                    flush=True,
+                )
             if tokenizer is not None:
-                print(f"Trainers that join fetch its tokenizer {run.tokenizer_sha256} ({len(tokenizer)} bytes, "
-                      f"vocabulary {run.model.vocab_size}) from here.", flush=True)
-            emit("bootstrap_ready", peer_id=str(dht.peer_id), maddrs=maddrs, run_id=run.run_id, join=address,
-                 organiser=dht.identity.peer_id, tokenizer_sha256=run.tokenizer_sha256)
+                print(
+                    f"Trainers that join fetch its tokenizer {run.tokenizer_sha256} ({len(tokenizer)} bytes, "
+                    f"vocabulary {run.model.vocab_size}) from here.",
+                    flush=True,
+                )
+            emit(
+                "bootstrap_ready",
+                peer_id=str(dht.peer_id),
+                maddrs=maddrs,
+                run_id=run.run_id,
+                join=address,
+                organiser=dht.identity.peer_id,
+                tokenizer_sha256=run.tokenizer_sha256,
+                init_stage_digests=run.init_stage_digests,
+            )
         await stop.wait()
         return 0
     finally:
@@ -144,12 +218,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run, tokenizer = None, None
     if config.manifest is not None:
         try:
-            run = load_run_manifest(config.manifest)
+            run = load_run_manifest(config.manifest, config.init_from)
         except ConfigError as e:
             print(f"error: {config.manifest}: {e}", file=sys.stderr, flush=True)
             return 2
+        except ValueError as e:  # an unusable checkpoint config.json
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 2
         try:
             run, tokenizer = attach_tokenizer(run, config.tokenizer)
+            run = attach_checkpoint(run, config.init_from)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 2

@@ -12,7 +12,10 @@ from typing import Optional, Sequence
 
 SUBCOMMANDS = {
     "peer": ("peers.peer", "serve one pipeline stage"),
-    "faulty_peer": ("peers.faulty_peer", "serve one pipeline stage with an emulated fault (--fault: tests, benchmarks)"),
+    "faulty_peer": (
+        "peers.faulty_peer",
+        "serve one pipeline stage with an emulated fault (--fault: tests, benchmarks)",
+    ),
     "train": ("peers.trainer", "push micro-batches through the swarm"),
     "bootstrap": ("peers.bootstrap", "run a DHT entry point for others to join; with --manifest, organise a run"),
     "demo": ("peers.demo", "start a whole swarm on 127.0.0.1 and train for a while"),

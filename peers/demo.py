@@ -28,35 +28,66 @@ def _run_flags(config: DemoConfig) -> List[str]:
 def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]) -> None:
     """Start every role, appending each to ``processes`` as it starts, so the caller stops them all even when
     one fails to come up."""
-    boot = RoleProcess("bootstrap", ["--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages)],
-                       log_dir, "bootstrap")
+    boot = RoleProcess(
+        "bootstrap", ["--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages)], log_dir, "bootstrap"
+    )
     processes.append(boot)
     maddrs = boot.wait_event("bootstrap_ready", config.startup_timeout_s)["maddrs"]
     if config.dashboard_port >= 0:  # started first, so that its page shows the peers as they join
-        processes.append(RoleProcess("dashboard", [
-            "--run_id", config.run.run_id, "--num_stages", str(config.run.num_stages), "--initial_peers",
-            ",".join(maddrs), "--port", str(config.dashboard_port), "--period_s", "1"], log_dir, "dashboard"))
+        processes.append(
+            RoleProcess(
+                "dashboard",
+                [
+                    "--run_id",
+                    config.run.run_id,
+                    "--num_stages",
+                    str(config.run.num_stages),
+                    "--initial_peers",
+                    ",".join(maddrs),
+                    "--port",
+                    str(config.dashboard_port),
+                    "--period_s",
+                    "1",
+                ],
+                log_dir,
+                "dashboard",
+            )
+        )
     common = [*_run_flags(config), "--initial_peers", ",".join(maddrs)]
-    peers = [RoleProcess("peer", ["--stage", str(stage), *common], log_dir, f"peer_s{stage}_{i}")
-             for stage in range(config.run.num_stages) for i in range(config.peers_per_stage)]
+    peers = [
+        RoleProcess("peer", ["--stage", str(stage), *common], log_dir, f"peer_s{stage}_{i}")
+        for stage in range(config.run.num_stages)
+        for i in range(config.peers_per_stage)
+    ]
     processes += peers
     _announce_dashboard(processes)  # while the peers start: the page shows them joining
     for peer in peers:  # a replica joining a stage downloads its state first; start trainers once all serve
         peer.wait_event("peer_ready", config.startup_timeout_s)
-    trainer_flags = ["--duration_s", str(config.duration_s), "--batch_size", str(config.batch_size),
-                     "--max_in_flight", str(config.max_in_flight), "--log_period_s", str(config.log_period_s)]
+    trainer_flags = [
+        "--duration_s",
+        str(config.duration_s),
+        "--batch_size",
+        str(config.batch_size),
+        "--max_in_flight",
+        str(config.max_in_flight),
+        "--log_period_s",
+        str(config.log_period_s),
+    ]
     if config.max_data_mb is not None:
         trainer_flags += ["--max_data_mb", str(config.max_data_mb)]
-    processes += [RoleProcess("train", [*common, *trainer_flags, "--trainer_seed", str(i + 1)], log_dir, f"trainer{i}")
-                  for i in range(config.num_trainers)]
+    processes += [
+        RoleProcess("train", [*common, *trainer_flags, "--trainer_seed", str(i + 1)], log_dir, f"trainer{i}")
+        for i in range(config.num_trainers)
+    ]
 
 
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
     from swarm.dht.node import start_dht
 
     run = config.run
-    dht = start_dht(NetworkConfig(initial_peers=list(maddrs)), client_mode=True, run_id=run.run_id,
-                    num_stages=run.num_stages)
+    dht = start_dht(
+        NetworkConfig(initial_peers=list(maddrs)), client_mode=True, run_id=run.run_id, num_stages=run.num_stages
+    )
     started = time.monotonic()
     try:
         while not stop.is_set() and any(t.proc.poll() is None for t in trainers):
@@ -74,7 +105,10 @@ def _announce_dashboard(processes: List[RoleProcess]) -> None:
     for process in processes:
         if process.role == "dashboard":
             try:
-                print(f"dashboard: {process.wait_event('dashboard_ready', 30)['url']} (a live page of the run)", flush=True)
+                print(
+                    f"dashboard: {process.wait_event('dashboard_ready', 30)['url']} (a live page of the run)",
+                    flush=True,
+                )
             except TimeoutError:
                 reason = process.log_tail(3).strip().splitlines()
                 print(f"no dashboard: {reason[-1] if reason else 'it did not start'}", flush=True)
@@ -84,8 +118,11 @@ async def demo(config: DemoConfig) -> int:
     stop = stop_event()
     log_dir = Path(config.work_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    print(f"starting a swarm on 127.0.0.1: {config.run.num_stages} stages x {config.peers_per_stage} peers, "
-          f"{config.num_trainers} trainers, {config.duration_s:.0f}s of training; logs in {log_dir}/", flush=True)
+    print(
+        f"starting a swarm on 127.0.0.1: {config.run.num_stages} stages x {config.peers_per_stage} peers, "
+        f"{config.num_trainers} trainers, {config.duration_s:.0f}s of training; logs in {log_dir}/",
+        flush=True,
+    )
     processes: List[RoleProcess] = []
     try:
         await asyncio.get_running_loop().run_in_executor(None, _start_swarm, config, log_dir, processes)

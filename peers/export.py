@@ -23,8 +23,9 @@ def run_tokenizer_bytes(config: ExportConfig, joined: bool) -> Optional[bytes]:
     sha256 = config.run.tokenizer_sha256
     if not sha256:
         return None
-    path = fetch_tokenizer_or_exit(config.network.initial_peers[0], sha256, config.tokenizer_cache_dir) \
-        if joined else None
+    path = (
+        fetch_tokenizer_or_exit(config.network.initial_peers[0], sha256, config.tokenizer_cache_dir) if joined else None
+    )
     try:
         tokenizer = load_run_tokenizer(path, sha256, config.run.model.vocab_size, config.tokenizer_cache_dir)
     except TokenizerError as e:
@@ -48,13 +49,17 @@ async def export(config: ExportConfig, tokenizer: Optional[bytes]) -> List[Path]
 
 def _describe(states: Sequence[StageState]) -> None:
     for state in states:
-        print(f"stage {state.stage}: step {state.step}, digest {state.digest}, {len(state.parameters)} tensors "
-              f"from {state.peer_id}", flush=True)
+        print(
+            f"stage {state.stage}: step {state.step}, digest {state.digest}, {len(state.parameters)} tensors "
+            f"from {state.peer_id}",
+            flush=True,
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    config, manifest = load_role_config(ExportConfig, argv, "swarm export",
-                                        "Write a live run's model as one checkpoint directory.")
+    config, manifest = load_role_config(
+        ExportConfig, argv, "swarm export", "Write a live run's model as one checkpoint directory."
+    )
     setup_logging()
     try:
         tokenizer = run_tokenizer_bytes(config, joined=manifest is not None)

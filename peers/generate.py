@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from peers._common import emit, fail, fetch_tokenizer_or_exit, load_role_config, setup_logging
-from swarm.client.generate import (GenerateConfig, GenerationResult, SwarmGenerator, TextStream, encode_prompt)
+from swarm.client.generate import GenerateConfig, GenerationResult, SwarmGenerator, TextStream, encode_prompt
 from swarm.training.tokenizer import RunTokenizer
 
 
@@ -69,8 +69,9 @@ async def generate(config: GenerateConfig, tokenizer: Optional[RunTokenizer]) ->
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    config, manifest = load_role_config(GenerateConfig, argv, "swarm generate",
-                                        "Continue a prompt with a live run's model.")
+    config, manifest = load_role_config(
+        GenerateConfig, argv, "swarm generate", "Continue a prompt with a live run's model."
+    )
     try:
         tokenizer = run_tokenizer(config, joined=manifest is not None)
     except ValueError as e:
@@ -80,8 +81,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result, text = asyncio.run(generate(config, tokenizer))
     except (RuntimeError, ValueError, OSError) as e:  # StageUnavailable is a RuntimeError
         return fail(str(e))
-    print(f"{len(result.tokens)} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.2f} tokens/s "
-          "(no KV cache: each token recomputes the whole window on every stage)", flush=True)
-    emit("generate_done", tokens=result.tokens, text=text, seconds=round(result.seconds, 3),
-         tokens_per_s=round(result.tokens_per_s, 3))
+    print(
+        f"{len(result.tokens)} tokens in {result.seconds:.2f} s: {result.tokens_per_s:.2f} tokens/s "
+        "(no KV cache: each token recomputes the whole window on every stage)",
+        flush=True,
+    )
+    emit(
+        "generate_done",
+        tokens=result.tokens,
+        text=text,
+        seconds=round(result.seconds, 3),
+        tokens_per_s=round(result.tokens_per_s, 3),
+    )
     return 0

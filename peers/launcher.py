@@ -34,8 +34,15 @@ class RoleProcess:
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "peers.cli", role, *args], cwd=REPO, stdout=subprocess.PIPE,
-            stderr=self._log, stdin=subprocess.DEVNULL, text=True, start_new_session=True, env=env)
+            [*prefix, sys.executable, "-m", "peers.cli", role, *args],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+            env=env,
+        )
         self.pid = self.proc.pid
         self.events: "queue.Queue[Dict[str, Any]]" = queue.Queue()
         self.seen: List[Dict[str, Any]] = []
@@ -43,7 +50,10 @@ class RoleProcess:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        stdout = self.proc.stdout
+        if stdout is None:
+            raise RuntimeError(f"{self.name}: the role's stdout is not piped, so its events cannot be read")
+        for line in stdout:
             self.stdout_lines.append(line)
             try:
                 event = json.loads(line)
@@ -67,8 +77,10 @@ class RoleProcess:
             self.seen.append(event)
             if event["event"] == name:
                 return event
-        raise TimeoutError(f"{self.name} did not report {name!r} within {timeout}s "
-                           f"(exit code {self.proc.poll()}); log tail:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"{self.name} did not report {name!r} within {timeout}s "
+            f"(exit code {self.proc.poll()}); log tail:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         self._log.flush()

@@ -99,13 +99,46 @@ class Hosts:
         """Limit ``host``'s link to ``mbit`` Mbit/s each way: tbf on its own interface (upload) and on the
         bridge's end of its veth (download)."""
         rate = ["rate", f"{mbit}mbit", "burst", str(TBF_BURST_BYTES), "latency", "200ms"]
-        _run(["ip", "netns", "exec", self.namespaces[host], "tc", "qdisc", "replace", "dev", self.inside(host),
-              "root", "tbf", *rate])
-        _run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", self.links[host], "root", "tbf", *rate])
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.namespaces[host],
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                self.inside(host),
+                "root",
+                "tbf",
+                *rate,
+            ]
+        )
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.switch,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                self.links[host],
+                "root",
+                "tbf",
+                *rate,
+            ]
+        )
 
     def _link_tx_bytes(self, namespace: str, link: str) -> int:
-        result = subprocess.run(["ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{link}/statistics/tx_bytes"],
-                                capture_output=True, text=True, timeout=10)
+        result = subprocess.run(
+            ["ip", "netns", "exec", namespace, "cat", f"/sys/class/net/{link}/statistics/tx_bytes"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return int(result.stdout.strip() or 0)
 
     def tx_bytes(self, host: int) -> int:

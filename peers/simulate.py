@@ -33,15 +33,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--period_s", type=float, default=r.period_s, help="mean seconds between rebalancing decisions")
     p.add_argument("--min_gain", type=float, default=r.min_gain, help="relative gain a move must clear")
     p.add_argument("--max_movers", type=int, default=r.max_movers_per_period, help="movers per period")
-    p.add_argument("--static_join", choices=JOIN_POLICY_NAMES, default=d.static_join_policy,
-                   help="how joining peers choose a stage in the baseline run without rebalancing: 'random' = "
-                        "uniformly, no load awareness (the SWARM paper's baseline); 'auto' = the live --stage auto "
-                        "policy (the rebalanced run always uses it)")
+    p.add_argument(
+        "--static_join",
+        choices=JOIN_POLICY_NAMES,
+        default=d.static_join_policy,
+        help="how joining peers choose a stage in the baseline run without rebalancing: 'random' = "
+        "uniformly, no load awareness (the SWARM paper's baseline); 'auto' = the live --stage auto "
+        "policy (the rebalanced run always uses it)",
+    )
     st = d.steps
-    p.add_argument("--target_batch_size", type=int, default=st.target_batch_size,
-                   help="samples per global step (the step protocol runs in the rebalanced run)")
-    p.add_argument("--stage_param_mib", type=float, default=st.stage_param_mib,
-                   help="MiB of gradients each replica averages per step")
+    p.add_argument(
+        "--target_batch_size",
+        type=int,
+        default=st.target_batch_size,
+        help="samples per global step (the step protocol runs in the rebalanced run)",
+    )
+    p.add_argument(
+        "--stage_param_mib",
+        type=float,
+        default=st.stage_param_mib,
+        help="MiB of gradients each replica averages per step",
+    )
     p.add_argument("--steps", choices=("true", "false"), default="true", help="simulate the global-step protocol")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line (last line)")
     return p
@@ -51,14 +63,29 @@ def main(argv: List[str]) -> int:
     args = _parser().parse_args(argv)
     try:
         config = SimConfig(
-            num_peers=args.peers, num_stages=args.stages, hours=args.hours, seed=args.seed,
-            throughput_list=args.throughputs, mean_lifetime_h=args.lifetime_h, join_rate_per_h=args.join_rate_per_h,
-            crash_fraction=args.crash_fraction, num_trainers=args.trainers, trace_path=args.trace,
+            num_peers=args.peers,
+            num_stages=args.stages,
+            hours=args.hours,
+            seed=args.seed,
+            throughput_list=args.throughputs,
+            mean_lifetime_h=args.lifetime_h,
+            join_rate_per_h=args.join_rate_per_h,
+            crash_fraction=args.crash_fraction,
+            num_trainers=args.trainers,
+            trace_path=args.trace,
             static_join_policy=args.static_join,
-            steps=StepSimConfig(enabled=args.steps == "true", target_batch_size=args.target_batch_size,
-                                stage_param_mib=args.stage_param_mib),
-            rebalance=RebalanceConfig(period_s=args.period_s, period_jitter=DEFAULT_SIM_REBALANCE.period_jitter,
-                                      min_gain=args.min_gain, max_movers_per_period=args.max_movers))
+            steps=StepSimConfig(
+                enabled=args.steps == "true",
+                target_batch_size=args.target_batch_size,
+                stage_param_mib=args.stage_param_mib,
+            ),
+            rebalance=RebalanceConfig(
+                period_s=args.period_s,
+                period_jitter=DEFAULT_SIM_REBALANCE.period_jitter,
+                min_gain=args.min_gain,
+                max_movers_per_period=args.max_movers,
+            ),
+        )
     except ValueError as error:
         print(f"swarm simulate: {error}", file=sys.stderr)
         return 2
@@ -66,25 +93,33 @@ def main(argv: List[str]) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    print(f"{config.num_peers} peers, {config.num_stages} stages, {config.hours:g} h, seed {config.seed}; "
-          f"rebalanced: auto join + moves every {config.rebalance.period_s:g} s; "
-          f"static: {config.static_join_policy} join, no moves")
+    print(
+        f"{config.num_peers} peers, {config.num_stages} stages, {config.hours:g} h, seed {config.seed}; "
+        f"rebalanced: auto join + moves every {config.rebalance.period_s:g} s; "
+        f"static: {config.static_join_policy} join, no moves"
+    )
     print("hour  optimal  rebalanced  static  (samples/s)")
     step = max(1, len(summary["series_hours"]) // 24)
     for i in range(0, len(summary["series_hours"]), step):
-        print(f"{summary['series_hours'][i]:5.1f} {summary['series_optimal'][i]:8.1f} "
-              f"{summary['series_rebalanced'][i]:10.1f} {summary['series_static'][i]:7.1f}")
-    print(f"fraction of optimal: rebalanced {summary['fraction_of_optimal_rebalanced']:.3f}, "
-          f"static {summary['fraction_of_optimal_static']:.3f}; {summary['moves']} moves; {summary['wall_s']} s")
+        print(
+            f"{summary['series_hours'][i]:5.1f} {summary['series_optimal'][i]:8.1f} "
+            f"{summary['series_rebalanced'][i]:10.1f} {summary['series_static'][i]:7.1f}"
+        )
+    print(
+        f"fraction of optimal: rebalanced {summary['fraction_of_optimal_rebalanced']:.3f}, "
+        f"static {summary['fraction_of_optimal_static']:.3f}; {summary['moves']} moves; {summary['wall_s']} s"
+    )
     steps = summary["steps"]
     if steps is not None:
-        print(f"global steps (rebalanced run): {steps['global_steps_per_hour']:.1f}/h; samples per step "
-              f"{steps['samples_per_step_mean']:.0f} +- {steps['samples_per_step_std']:.0f} (p5 "
-              f"{steps['samples_per_step_p5']:.0f}, p95 {steps['samples_per_step_p95']:.0f}) for a target of "
-              f"{steps['target_batch_size']}; waiting {steps['wait_replica_s']:.0f} replica-s "
-              f"({100 * steps['wait_fraction_of_replica_time']:.1f}% of replica time: "
-              + ", ".join(f"{k} {v:.0f}" for k, v in steps["wait_replica_s_by_cause"].items())
-              + f"); {steps['steps_alone']} steps alone, {steps['resyncs']} resyncs")
+        print(
+            f"global steps (rebalanced run): {steps['global_steps_per_hour']:.1f}/h; samples per step "
+            f"{steps['samples_per_step_mean']:.0f} +- {steps['samples_per_step_std']:.0f} (p5 "
+            f"{steps['samples_per_step_p5']:.0f}, p95 {steps['samples_per_step_p95']:.0f}) for a target of "
+            f"{steps['target_batch_size']}; waiting {steps['wait_replica_s']:.0f} replica-s "
+            f"({100 * steps['wait_fraction_of_replica_time']:.1f}% of replica time: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in steps["wait_replica_s_by_cause"].items())
+            + f"); {steps['steps_alone']} steps alone, {steps['resyncs']} resyncs"
+        )
     return 0
 
 

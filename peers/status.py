@@ -37,10 +37,14 @@ def format_status(elapsed: float, peers: Dict, trainers: Dict) -> str:
     tokens_per_s = sum(t.tokens_per_s for t in trainers.values())
     loss = f"{sum(losses) / len(losses):.4f}" if losses else "  -   "
     steps = sorted({p.step for p in peers.values()})
-    per_peer = "  ".join(f"s{p.stage}:{p.peer_id[-4:]} {p.throughput:6.1f}/s q{p.queue_length} {p.samples_processed}"
-                         for p in sorted(peers.values(), key=lambda p: (p.stage, p.peer_id)))
-    return (f"[{elapsed:5.0f}s] loss {loss} | {len(trainers)} trainers {samples_per_s:6.1f} samples/s "
-            f"{tokens_per_s:8.0f} tokens/s | step {steps} | peers (stage:id throughput queue processed) {per_peer}")
+    per_peer = "  ".join(
+        f"s{p.stage}:{p.peer_id[-4:]} {p.throughput:6.1f}/s q{p.queue_length} {p.samples_processed}"
+        for p in sorted(peers.values(), key=lambda p: (p.stage, p.peer_id))
+    )
+    return (
+        f"[{elapsed:5.0f}s] loss {loss} | {len(trainers)} trainers {samples_per_s:6.1f} samples/s "
+        f"{tokens_per_s:8.0f} tokens/s | step {steps} | peers (stage:id throughput queue processed) {per_peer}"
+    )
 
 
 async def status_line(dht, run_id: str, num_stages: int, elapsed: float) -> str:

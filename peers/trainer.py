@@ -13,8 +13,15 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from peers._common import (describe_join, emit, fail, fetch_tokenizer_or_exit, load_role_config, setup_logging,
-                           stop_event)
+from peers._common import (
+    describe_join,
+    emit,
+    fail,
+    fetch_tokenizer_or_exit,
+    load_role_config,
+    setup_logging,
+    stop_event,
+)
 from swarm.config.settings import TrainerConfig
 from swarm.config.loading import ConfigError
 from swarm.metrics import MetricsPortError
@@ -25,9 +32,11 @@ logger = logging.getLogger("swarm.trainer")
 def _progress_line(trainer) -> str:
     m = trainer.metrics
     loss = m.recent_loss()
-    return (f"samples {m.samples_sent:>8}  loss {loss if loss is None else f'{loss:.4f}'}  "
-            f"{m.samples_per_s:7.1f} samples/s  {m.samples_per_s * trainer.run.model.seq_len:9.0f} tokens/s  "
-            f"failed {m.micro_batches_failed}  resent {trainer.ledger.num_resent}")
+    return (
+        f"samples {m.samples_sent:>8}  loss {loss if loss is None else f'{loss:.4f}'}  "
+        f"{m.samples_per_s:7.1f} samples/s  {m.samples_per_s * trainer.run.model.seq_len:9.0f} tokens/s  "
+        f"failed {m.micro_batches_failed}  resent {trainer.ledger.num_resent}"
+    )
 
 
 def report(trainer) -> None:
@@ -61,8 +70,11 @@ async def train(config: TrainerConfig) -> int:
     trainer = Trainer(config)
     try:
         await trainer.start()
-        emit("trainer_ready", trainer_id=trainer.trainer_id,
-             metrics=trainer.metrics_server.url if trainer.metrics_server else None)
+        emit(
+            "trainer_ready",
+            trainer_id=trainer.trainer_id,
+            metrics=trainer.metrics_server.url if trainer.metrics_server else None,
+        )
         started = time.monotonic()
         training = asyncio.create_task(trainer.train(on_progress=report))
         stopping = asyncio.create_task(stop.wait())
@@ -72,9 +84,16 @@ async def train(config: TrainerConfig) -> int:
             training.cancel()
         drained = await drain_unless_stopped_again(trainer, stop)
         m = trainer.metrics
-        emit("trainer_done", trainer_id=trainer.trainer_id, samples_sent=m.samples_sent, loss=m.recent_loss(),
-             failed=m.micro_batches_failed, resent=trainer.ledger.num_resent, drained=drained,
-             train_s=round(train_s, 3))
+        emit(
+            "trainer_done",
+            trainer_id=trainer.trainer_id,
+            samples_sent=m.samples_sent,
+            loss=m.recent_loss(),
+            failed=m.micro_batches_failed,
+            resent=trainer.ledger.num_resent,
+            drained=drained,
+            train_s=round(train_s, 3),
+        )
         return 0
     finally:
         trainer.shutdown()
@@ -98,8 +117,9 @@ def check_run_tokenizer(config: TrainerConfig) -> None:
     if config.run.tokenizer_sha256:
         from swarm.training.tokenizer import load_run_tokenizer
 
-        load_run_tokenizer(config.tokenizer, config.run.tokenizer_sha256, config.run.model.vocab_size,
-                           config.tokenizer_cache_dir)
+        load_run_tokenizer(
+            config.tokenizer, config.run.tokenizer_sha256, config.run.model.vocab_size, config.tokenizer_cache_dir
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

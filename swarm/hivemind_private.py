@@ -23,8 +23,16 @@ from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client as DaemonClient
 from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["PrivateAttribute", "PRIVATE_ATTRIBUTES", "missing_private_attributes", "daemon_connect",
-           "register_decoder", "wrap_dht_protocol", "wrap_join_request", "PrivateAverager"]
+__all__ = [
+    "PrivateAttribute",
+    "PRIVATE_ATTRIBUTES",
+    "missing_private_attributes",
+    "daemon_connect",
+    "register_decoder",
+    "wrap_dht_protocol",
+    "wrap_join_request",
+    "PrivateAverager",
+]
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,11 @@ def register_decoder(name: str, codec: CompressionBase) -> None:
     hivemind_serialization._BASE_COMPRESSION_TYPES[name] = codec
 
 
-def wrap_dht_protocol(protocol: DHTProtocol, wrap_validation: Callable[[Callable], Callable],
-                      wrap_call_find: Callable[[Callable], Callable]) -> None:
+def wrap_dht_protocol(
+    protocol: DHTProtocol,
+    wrap_validation: Callable[[Callable], Callable],
+    wrap_call_find: Callable[[Callable], Callable],
+) -> None:
     """Replace a node's record checks (``_validate_record``, ``_validate_dictionary``) and its ``call_find``
     with wrappers of the originals."""
     protocol._validate_record = wrap_validation(protocol._validate_record)

@@ -34,9 +34,21 @@ from prometheus_client.registry import Collector
 S = TypeVar("S")
 
 __all__ = [
-    "MetricsServer", "MetricsPortError", "start_metrics_server", "new_registry", "role_registry",
-    "count_rpc_bytes", "count_ban", "observe_allreduce", "count_verification", "count_dht", "method_label",
-    "PeerSnapshot", "TrainerSnapshot", "peer_families", "trainer_families",
+    "MetricsServer",
+    "MetricsPortError",
+    "start_metrics_server",
+    "new_registry",
+    "role_registry",
+    "count_rpc_bytes",
+    "count_ban",
+    "observe_allreduce",
+    "count_verification",
+    "count_dht",
+    "method_label",
+    "PeerSnapshot",
+    "TrainerSnapshot",
+    "peer_families",
+    "trainer_families",
     "check_metrics_port",
 ]
 
@@ -45,19 +57,38 @@ _METHOD_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 # ---- events, process-wide ----
 
-RPC_BYTES = Counter("swarm_rpc_bytes", "Bytes of RPC messages by method and direction (sent/received), "
-                    "requests and replies, as they go on the wire", ["method", "direction"], registry=None)
-BANS = Counter("swarm_bans", "Peers banned (or set aside), by the role that banned them and why",
-               ["role", "reason"], registry=None)
-ALLREDUCE_SECONDS = Histogram("swarm_allreduce_duration_seconds", "Duration of a stage's averaging rounds, "
-                              "by outcome (done/failed)", ["outcome"], buckets=ALLREDUCE_BUCKETS_S, registry=None)
-ALLREDUCE_FAILURES = Counter("swarm_allreduce_failures", "Averaging rounds that found no group or failed",
-                             registry=None)
-VERIFICATIONS = Counter("swarm_verifications", "Spot checks of a reply against a second replica, by outcome "
-                        "(agree, disagree = a mismatch, incomparable)", ["outcome"], registry=None)
-DHT_KEYS = Counter("swarm_dht_keys", "DHT keys this process stored or looked up (a record's store, one shard of a "
-                   "stage's directory read), by operation (store/read) and outcome (ok/failed)",
-                   ["operation", "outcome"], registry=None)
+RPC_BYTES = Counter(
+    "swarm_rpc_bytes",
+    "Bytes of RPC messages by method and direction (sent/received), requests and replies, as they go on the wire",
+    ["method", "direction"],
+    registry=None,
+)
+BANS = Counter(
+    "swarm_bans", "Peers banned (or set aside), by the role that banned them and why", ["role", "reason"], registry=None
+)
+ALLREDUCE_SECONDS = Histogram(
+    "swarm_allreduce_duration_seconds",
+    "Duration of a stage's averaging rounds, by outcome (done/failed)",
+    ["outcome"],
+    buckets=ALLREDUCE_BUCKETS_S,
+    registry=None,
+)
+ALLREDUCE_FAILURES = Counter(
+    "swarm_allreduce_failures", "Averaging rounds that found no group or failed", registry=None
+)
+VERIFICATIONS = Counter(
+    "swarm_verifications",
+    "Spot checks of a reply against a second replica, by outcome (agree, disagree = a mismatch, incomparable)",
+    ["outcome"],
+    registry=None,
+)
+DHT_KEYS = Counter(
+    "swarm_dht_keys",
+    "DHT keys this process stored or looked up (a record's store, one shard of a "
+    "stage's directory read), by operation (store/read) and outcome (ok/failed)",
+    ["operation", "outcome"],
+    registry=None,
+)
 _EVENT_METRICS = (RPC_BYTES, BANS, ALLREDUCE_SECONDS, ALLREDUCE_FAILURES, VERIFICATIONS, DHT_KEYS)
 
 
@@ -98,6 +129,7 @@ def count_verification(outcome: str) -> None:
 
 
 # ---- a role's state, read at scrape time ----
+
 
 @dataclass(frozen=True)
 class PeerSnapshot:
@@ -149,8 +181,12 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 def _info(role: str, run_id: str, peer_id: str) -> GaugeMetricFamily:
-    return _gauge("swarm_info", "Always 1; names the run, the role and its peer id",
-                  1, {"role": role, "run_id": run_id, "peer_id": peer_id})
+    return _gauge(
+        "swarm_info",
+        "Always 1; names the run, the role and its peer id",
+        1,
+        {"role": role, "run_id": run_id, "peer_id": peer_id},
+    )
 
 
 def peer_families(s: PeerSnapshot) -> List[Metric]:
@@ -159,9 +195,13 @@ def peer_families(s: PeerSnapshot) -> List[Metric]:
     for state in ("joining", "online", "leaving"):
         states.add_metric([state], 1.0 if s.state == state else 0.0)
     families: List[Metric] = [
-        _info("peer", s.run_id, s.peer_id), states,
-        _gauge("swarm_peer_stage", "The stage this peer serves (-1 before it chose one)",
-               -1 if s.stage is None else s.stage),
+        _info("peer", s.run_id, s.peer_id),
+        states,
+        _gauge(
+            "swarm_peer_stage",
+            "The stage this peer serves (-1 before it chose one)",
+            -1 if s.stage is None else s.stage,
+        ),
         _gauge("swarm_global_step", "Global steps applied", s.step),
         _counter("swarm_peer_samples_processed", "Samples this replica ran backward for", s.samples_processed),
         _gauge("swarm_peer_samples_applied", "Samples inside the applied global steps", s.samples_applied),
@@ -177,22 +217,32 @@ def peer_families(s: PeerSnapshot) -> List[Metric]:
         if key in s.forward_cache:
             families.append(_counter(f"swarm_peer_forward_cache_{key}", f"Forward cache {key}", s.forward_cache[key]))
     if "bytes" in s.forward_cache:
-        families.append(_gauge("swarm_peer_forward_cache_bytes", "Bytes of autograd state the forward cache holds",
-                               s.forward_cache["bytes"]))
+        families.append(
+            _gauge(
+                "swarm_peer_forward_cache_bytes",
+                "Bytes of autograd state the forward cache holds",
+                s.forward_cache["bytes"],
+            )
+        )
     return families
 
 
 def trainer_families(s: TrainerSnapshot) -> List[Metric]:
     """The metric families of a trainer snapshot (pure); no loss family before the first micro-batch."""
-    committed = CounterMetricFamily("swarm_trainer_samples_committed", "Samples confirmed in an applied global "
-                                    "step, by stage", labels=["stage"])
+    committed = CounterMetricFamily(
+        "swarm_trainer_samples_committed", "Samples confirmed in an applied global step, by stage", labels=["stage"]
+    )
     for stage, samples in sorted(s.samples_committed.items()):
         committed.add_metric([str(stage)], samples)
     families: List[Metric] = [
-        _info("trainer", s.run_id, s.trainer_id), committed,
+        _info("trainer", s.run_id, s.trainer_id),
+        committed,
         _counter("swarm_trainer_samples_sent", "Samples pushed through the whole pipeline", s.samples_sent),
-        _counter("swarm_trainer_micro_batches_failed", "Micro-batches given up (their samples are drawn again)",
-                 s.micro_batches_failed),
+        _counter(
+            "swarm_trainer_micro_batches_failed",
+            "Micro-batches given up (their samples are drawn again)",
+            s.micro_batches_failed,
+        ),
         _counter("swarm_trainer_resent", "Contributions re-sent after the replica holding them was lost", s.resent),
         _gauge("swarm_trainer_uncommitted", "Contributions waiting for their global step", s.uncommitted),
         _gauge("swarm_trainer_samples_per_second", "Samples per second over the last 30 s", s.samples_per_s),
@@ -241,6 +291,7 @@ def role_registry(snapshot: Callable[[], S], families: Callable[[S], List[Metric
 
 
 # ---- serving ----
+
 
 class MetricsPortError(OSError):
     """The metrics port cannot be listened on (in use, not permitted); the message says which."""

@@ -14,6 +14,7 @@ from tests.utils.probe import online
 TARGET = 64
 
 
+@pytest.mark.long
 async def test_replicas_identical_and_stages_in_step(launcher, probe):
     launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, wait=False) for stage in (0, 0, 1, 1)])
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
@@ -48,6 +49,7 @@ async def test_replicas_identical_and_stages_in_step(launcher, probe):
             assert torch.equal(a, b), f"stage {stage} replicas differ"
 
 
+@pytest.mark.long
 async def test_replicas_averaging_in_int8_stay_identical(launcher, probe):
     """Activations, their gradients and the stage all-reduce in int8: each replica aggregates the decoded
     gradients (its own included), so the replicas of a stage still hold bit-identical parameters."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import signal
 import time
@@ -15,6 +17,7 @@ from tests.utils.probe import online
 TARGET = 64
 
 
+@pytest.mark.long
 async def test_sigterm_peer_leaves_within_bound_and_nothing_is_lost(launcher, probe):
     peers = {(stage, i): launcher.peer(stage, target_batch_size=TARGET, extra=["--leave_timeout_s", "5"],
                                        name=f"s{stage}r{i}", wait=False) for stage in (0, 1) for i in (0, 1)}
@@ -35,6 +38,7 @@ async def test_sigterm_peer_leaves_within_bound_and_nothing_is_lost(launcher, pr
                          "both stages to account for exactly the 640 samples sent")
 
 
+@pytest.mark.long
 async def test_new_replica_downloads_state_and_matches_survivor(launcher, probe):
     launcher.peer(0, target_batch_size=TARGET)
     victim = launcher.peer(1, target_batch_size=TARGET, name="victim")
@@ -63,6 +67,7 @@ async def test_new_replica_downloads_state_and_matches_survivor(launcher, probe)
                                    and len({x.step for x in online(r, 1)}) == 1, 30, "identical digests")
 
 
+@pytest.mark.long
 async def test_stage_restored_from_checkpoint_after_losing_every_replica(launcher, probe, tmp_path):
     ckpt = ["--checkpoint_dir", str(tmp_path / "ckpt"), "--checkpoint_period_s", "1"]
     launcher.peer(0, target_batch_size=TARGET)
@@ -101,6 +106,7 @@ async def stage_rate(probe, stage: int, window_s: float) -> tuple:
     return (sum(r.samples_processed for r in online(records, stage)) - first) / window_s, len(online(records, stage))
 
 
+@pytest.mark.long
 async def test_imbalanced_swarm_rebalances_and_throughput_rises(launcher, probe):
     period_s = 20.0
     # every peer emulates the same slow device (a fixed sleep per sample of backward work, which each

@@ -66,6 +66,7 @@ def test_bootstrap_and_peer_stop_cleanly_on_sigterm(launcher):
     assert group_is_empty(boot.pid), "the bootstrap left processes behind"
 
 
+@pytest.mark.long
 def test_ctrl_c_stops_a_peer_and_a_bootstrap_without_a_traceback(launcher):
     """Ctrl-C in a terminal sends SIGINT to the whole process group: the role, its hivemind processes, p2pd."""
     boot = launcher.bootstrap()
@@ -82,6 +83,7 @@ def test_ctrl_c_stops_a_peer_and_a_bootstrap_without_a_traceback(launcher):
         assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
 
 
+@pytest.mark.long
 def test_trainer_finishes_and_stops_on_sigterm(launcher):
     launcher.bootstrap()
     launcher.peer(0)
@@ -105,6 +107,7 @@ def test_trainer_finishes_and_stops_on_sigterm(launcher):
     assert group_is_empty(endless.pid)
 
 
+@pytest.mark.long
 async def test_a_second_sigterm_cuts_a_trainers_drain_short(launcher, probe):
     """A stopping trainer waits for live replicas to hold what it sent; with every replica gone it would wait
     its whole bound, so a second SIGTERM (or Ctrl-C) leaves at once."""
@@ -128,6 +131,7 @@ async def test_a_second_sigterm_cuts_a_trainers_drain_short(launcher, probe):
     assert group_is_empty(trainer.pid)
 
 
+@pytest.mark.long
 def test_demo_runs_and_stops_everything(tmp_path):
     run_id = f"demo{os.getpid()}"
     proc = subprocess.Popen(

@@ -1,5 +1,6 @@
-"""``swarm dashboard`` against a live 1-stage swarm with one trainer: ``/api/state`` and the page in a
-real headless Chromium (skipped, with the reason, where no Chromium and chromedriver are installed)."""
+"""``swarm dashboard`` against a live 1-stage swarm with one trainer: ``/api/state``, text sampled from the live
+model, and the page in a real headless Chromium (skipped, with the reason, where no Chromium and chromedriver
+are installed)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from tests.utils.processes import Launcher
 
 HTTP_TIMEOUT_S = 5.0
+SAMPLE_TOKENS = 12  # tokens the live dashboard samples every 2 s: a fraction of a second on the tiny model
 
 
 def get(url: str) -> Tuple[int, bytes, str]:
@@ -52,7 +54,8 @@ def live(tmp_path_factory) -> Iterator[Tuple[Launcher, str]]:
         launcher.peer(0, num_stages=1, target_batch_size=32)
         launcher.trainer(num_stages=1, target_batch_size=32, extra=["--batch_size", "4"])
         dashboard = launcher.start("dashboard", ["--run_id", launcher.run_id, "--num_stages", "1", "--port", "0",
-                                                 "--period_s", "0.5", "--initial_peers", ",".join(launcher.initial_peers)],
+                                                 "--period_s", "0.5", "--initial_peers", ",".join(launcher.initial_peers),
+                                                 "--sample_period_s", "2", "--sample_tokens", str(SAMPLE_TOKENS)],
                                    name="dashboard")
         url = dashboard.wait_event("dashboard_ready", timeout=60)["url"]
         yield launcher, url
@@ -65,7 +68,7 @@ def test_api_state_shows_the_live_run(live):
     state = wait_for_state(
         url, lambda s: s["stages"][0]["replicas"] == 1 and s["trainers"] and s["trainers"][0]["loss"] is not None
         and s["global_step"] is not None and s["global_step"] >= 1 and s["join"]["complete"]
-        and any(loss is not None for loss in s["history"]["loss"]), timeout=120,
+        and any(loss is not None for loss in s["history"]["loss"]) and len(s["history"]["t"]) >= 2, timeout=120,
         what="a replica, a trainer with a loss, a global step and the run's settings")
     assert state["run_id"] == launcher.run_id and state["num_stages"] == 1 and state["poll"]["ok"]
     peer, trainer = state["peers"][0], state["trainers"][0]
@@ -82,6 +85,20 @@ def test_api_state_shows_the_live_run(live):
     assert status == 200 and b"stages-table" in body and content_type.startswith("text/html")
     assert get(url + "static/app.js")[0] == 200 and get(url + "static/style.css")[0] == 200
     assert get(url + "static/../../records.py")[0] == 404 and get(url + "nothing")[0] == 404
+
+
+def test_the_live_model_is_sampled_every_period(live):
+    launcher, url = live
+    state = wait_for_state(url, lambda s: s["sample"] is not None and s["sample"]["text"] != ""
+                           and s["sample"]["step"] is not None, timeout=60, what="a sample of the live model")
+    first = state["sample"]
+    assert first["error"] is None and first["prompt"] == "The" and first["num_tokens"] == SAMPLE_TOKENS
+    assert first["tokens_per_s"] > 0 and abs(first["sampled_at"] - time.time()) < 60
+    assert 0 <= first["step"] <= state["global_step"]
+    # the next period brings a fresh sample (a fresh seed: its text may differ)
+    later = wait_for_state(url, lambda s: s["sample"]["sampled_at"] > first["sampled_at"], timeout=30,
+                           what="a second sample")["sample"]
+    assert later["error"] is None and later["text"] and later["step"] >= first["step"]
 
 
 def _browser_paths() -> Tuple[str, str]:
@@ -129,6 +146,11 @@ def test_page_in_headless_chromium_shows_the_live_run(live, tmp_path):
         assert driver.find_element(By.ID, "run-id").text == launcher.run_id
         assert driver.find_element(By.ID, "join-peer").text.startswith("swarm peer --initial_peers ")
         assert "live" in driver.find_element(By.ID, "poll-status").text
+        # the sample panel: the prompt in bold, then the continuation, then its step, speed and age
+        wait.until(lambda d: d.find_element(By.ID, "sample-section").is_displayed())
+        assert driver.find_element(By.CSS_SELECTOR, "#sample-section b#sample-prompt").text == "The"
+        meta = driver.find_element(By.ID, "sample-meta").text
+        assert meta.startswith("step ") and " tokens/s, " in meta and meta.endswith(" ago"), meta
         screenshot = tmp_path / "dashboard.png"
         assert driver.save_screenshot(str(screenshot)) and screenshot.stat().st_size > 10_000
     finally:
@@ -155,6 +177,7 @@ def test_bad_flags_and_a_busy_port_are_refused_with_the_reason(tmp_path):
             stop_all(roles, timeout=5)
 
 
+@pytest.mark.long
 def test_a_run_with_a_manifest_is_joined_with_its_address(launcher, tmp_path):
     manifest = tmp_path / "run.yaml"
     manifest.write_text(f"run_id: {launcher.run_id}\nnum_stages: 2\ntarget_batch_size: 64\n"

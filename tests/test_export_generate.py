@@ -175,6 +175,7 @@ def llama_run(launcher, tmp_path):
     return address
 
 
+@pytest.mark.long
 async def test_a_live_llama_run_exports_to_transformers_and_generates(launcher, llama_run, tmp_path):
     transformers = pytest.importorskip("transformers")
     probe = Probe(launcher.initial_peers, launcher.run_id)
@@ -265,3 +266,16 @@ def test_the_commands_refuse_bad_input_before_starting_anything():
     result = subprocess.run([sys.executable, "-m", "peers.cli", "export", "--dtype", "float32"], cwd=REPO,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "out must name the directory" in result.stderr, result.stderr
+
+
+def test_text_flags_stay_text_as_written():
+    from swarm.config.loading import config_from_dict, parse_role_args
+
+    def config(*argv: str) -> GenerateConfig:
+        return config_from_dict(GenerateConfig, parse_role_args(GenerateConfig, list(argv), "generate", "").settings)
+
+    assert config("--prompt", "1984").prompt == "1984" and config("--prompt", "yes").prompt == "yes"
+    assert config("--prompt", "[a, b]").prompt == "[a, b]"
+    made = config("--prompt", "x", "--sampling_seed", "5", "--temperature", "0", "--tokenizer", "null")
+    assert made.sampling_seed == 5 and made.temperature == 0.0 and made.tokenizer is None
+    assert config("--prompt", "x", "--tokenizer_sha256", "1" * 63 + "e").run.tokenizer_sha256 == "1" * 63 + "e"

@@ -20,6 +20,7 @@ def accounted(records, stage: int) -> int:
 
 
 @pytest.mark.parametrize("victim_stage, cache_mb", [(1, "0"), (0, "512")], ids=["recomputed", "cache_hits"])
+@pytest.mark.long
 async def test_sigkill_replica_mid_training(launcher, probe, victim_stage, cache_mb):
     peers = {(stage, i): launcher.peer(stage, target_batch_size=TARGET, name=f"s{stage}r{i}",
                                        extra=["--forward_cache_mb", cache_mb], wait=False)

@@ -9,6 +9,8 @@ and bounded memory, and the trainer must finish its samples.
 
 from __future__ import annotations
 
+import pytest
+
 import asyncio
 import random
 import time
@@ -42,6 +44,7 @@ async def _watch(peers, stop: asyncio.Event, rss: dict, dht, run_id: str, junk: 
             pass
 
 
+@pytest.mark.long
 async def test_live_peers_survive_fuzzing_while_training(launcher, probe):
     peers = [launcher.peer(stage, extra=["--max_message_mb", str(MAX_MESSAGE_MB)], wait=False, name=f"stage{stage}")
              for stage in (0, 1)]

@@ -353,6 +353,7 @@ def test_a_checkpoint_with_non_finite_values_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("defences", [True, False], ids=["defended", "undefended"])
+@pytest.mark.long
 async def test_joiner_meets_a_poisoned_state_server(launcher, probe, defences: bool):
     """The poisoner is the stage's only replica, so the joiner's download goes to it whatever the order.
 

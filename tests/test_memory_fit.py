@@ -212,6 +212,7 @@ def test_fp16_needs_cuda_and_the_loss_scale_moves():
     assert floor.scale == 1.0
 
 
+@pytest.mark.long
 def test_gpu_benchmark_runs_tiny_on_cpu(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--tiny", "--no_record"],
                             cwd=REPO, capture_output=True, text=True, timeout=240)

@@ -33,6 +33,7 @@ def _peer(launcher: Launcher, hosts: Hosts, host: int, name: str):
     return launcher.start("peer", args, name=name, prefix=hosts.prefix(host))
 
 
+@pytest.mark.long
 async def test_a_swarm_trains_across_hosts_on_a_benchmark_range(remote, hosts):
     bootstrap = remote.start("bootstrap", ["--run_id", remote.run_id, "--num_stages", str(STAGES), *_listen(hosts, 0)],
                              name="bootstrap", prefix=hosts.prefix(0))

@@ -32,6 +32,7 @@ async def keep_announcing(probe: Probe, record: PeerRecord, stop: asyncio.Event)
             pass
 
 
+@pytest.mark.long
 async def test_fake_replicas_do_not_stop_lone_replicas_from_stepping(launcher, probe):
     """A fake 'online' replica of the last stage claims a huge pending batch and never averages; a fake
     replica of stage 0 claims a step far ahead. Both real replicas still step, on full batches."""
@@ -86,6 +87,7 @@ async def test_hijacked_micro_batch_id_is_refused(launcher, probe):
         thief.shutdown()
 
 
+@pytest.mark.long
 async def test_bad_replies_ban_the_peer_that_sent_them_and_the_trainer_lives_on(launcher, probe):
     """Faulty replicas beside honest ones: a non-numeric loss, a NaN loss, and (at stage 0) wrongly shaped
     outputs. The trainer bans each of them, blames stage 0's output on stage 0, and trains on."""

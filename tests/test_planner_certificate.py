@@ -67,6 +67,7 @@ def test_regional_optimum_is_certified():
     assert not certify_optimal(typed, found * 1.001)
 
 
+@pytest.mark.long
 def test_world_wide_optimum_is_certified():
     """One device of every region per stage is the optimum of the equal-group problem: half the
     random mean (about 47 s) cannot be reached under this cost model."""

@@ -11,6 +11,7 @@ from swarm.net.rpc import RemoteError, call_peer
 from tests.utils.processes import FAST_PEER
 
 
+@pytest.mark.long
 async def test_private_run_trains_members_and_refuses_outsiders(launcher, tmp_path):
     names = ("organiser", "stage0", "stage1", "trainer")
     keys = {name: load_or_create_identity(str(tmp_path / f"{name}.key")) for name in names}

@@ -200,6 +200,7 @@ async def test_a_member_with_no_samples_ends_with_what_the_others_average(group_
     assert torch.allclose(flat(results[3].tensors), expected.vector, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.long
 async def test_a_sign_flipping_replica_of_four_leaves_the_loss_within_5_percent_of_clean(launcher, probe):
     """Live: stage 0 has four replicas, one sending its gradients x -1000 to every round. The honest replicas
     ban it, and the model they train ends as good as single-process training on the same samples."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.utils.probe import online
 
 
+@pytest.mark.long
 async def test_faster_replica_gets_more_work(launcher, probe):
     launcher.wait_ready([launcher.peer(0, wait=False), launcher.peer(1, name="fast", wait=False),
                          launcher.peer(1, extra=["--delay_per_sample_s", "0.01"], name="slow", wait=False)])

@@ -262,6 +262,7 @@ def test_honest_trainers_are_never_down_weighted():
 
 # ---- live: a trainer started with --attack is seen by the stage it attacks ----
 
+@pytest.mark.long
 async def test_live_scaled_grad_outputs_are_clipped_and_the_attacker_named(launcher, probe):
     peers = {stage: launcher.peer(stage, target_batch_size=64) for stage in (0, 1)}
     await probe.wait_for(lambda r: all(online(r, s) for s in (0, 1)), 30, "both stages online")

@@ -396,6 +396,7 @@ async def test_a_read_accusation_makes_the_reader_check_for_itself(monkeypatch, 
 
 # ---- live ----
 
+@pytest.mark.long
 async def test_live_noisy_replica_is_caught_and_a_second_trainer_follows_the_accusation(launcher, probe):
     """Stage 0: two honest replicas and one serving noisy activations; stage 1: one replica. A trainer that
     checks half of its replies bans the noisy one and trains on; a second trainer that checks nothing on

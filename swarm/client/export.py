@@ -38,9 +38,21 @@ from swarm.policy.joining import StateClaim, StateSources, StateVerdict, check_d
 from swarm.server.runner import parameter_digest
 from swarm.training.tokenizer import DEFAULT_CACHE_DIR, DOCUMENT_SEPARATOR_TOKEN
 
-__all__ = ["DTYPES", "ExportConfig", "ExportError", "StageState", "stage_claims", "choose_sources",
-           "expected_parameters", "judge_parameters", "mixed_steps_reason", "read_run_records",
-           "collect_stage_states", "write_tokenizer_files", "write_export"]
+__all__ = [
+    "DTYPES",
+    "ExportConfig",
+    "ExportError",
+    "StageState",
+    "stage_claims",
+    "choose_sources",
+    "expected_parameters",
+    "judge_parameters",
+    "mixed_steps_reason",
+    "read_run_records",
+    "collect_stage_states",
+    "write_tokenizer_files",
+    "write_export",
+]
 
 logger = get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,6 +102,7 @@ class StageState:
 
 # ---- decisions (pure) ----
 
+
 def stage_claims(records: Mapping[str, PeerRecord], stage: int) -> List[StateClaim]:
     """What the replicas of ``stage`` announce about their state."""
     return [StateClaim(r.peer_id, r.state, r.step, r.digest) for r in records.values() if r.stage == stage]
@@ -128,8 +141,9 @@ def _complete(reply: Any, expected: Shapes) -> Optional[str]:
     return None
 
 
-def judge_parameters(sources: StateSources, reply: Any,
-                     expected: Shapes) -> Tuple[StateVerdict, Optional[Dict[str, torch.Tensor]]]:
+def judge_parameters(
+    sources: StateSources, reply: Any, expected: Shapes
+) -> Tuple[StateVerdict, Optional[Dict[str, torch.Tensor]]]:
     """Whether a ``parameters`` reply is the state ``sources`` names (complete, finite, at its step, hashing to
     its digest), as a joining replica judges a downloaded state; with the parameters by name when it is."""
     reason = _complete(reply, expected)
@@ -155,6 +169,7 @@ def mixed_steps_reason(steps: Mapping[int, int]) -> Optional[str]:
 
 # ---- I/O ----
 
+
 async def read_run_records(dht: Any, run: RunConfig, timeout: float = 10.0) -> Dict[str, PeerRecord]:
     """Every peer record of ``run`` (all shards of all stages), without peers that announce other settings."""
     directory = Directory(dht, run.run_id, run.num_stages, home=str(dht.peer_id), rotate=-1)
@@ -166,8 +181,9 @@ class _NotYet(Exception):
     """A stage cannot be downloaded in this round; the next read of the swarm may change that."""
 
 
-async def _download_stage(p2p: P2P, records: Mapping[str, PeerRecord], run: RunConfig, stage: int,
-                          distrusted: Set[str], timeout: float) -> StageState:
+async def _download_stage(
+    p2p: P2P, records: Mapping[str, PeerRecord], run: RunConfig, stage: int, distrusted: Set[str], timeout: float
+) -> StageState:
     sources = choose_sources(stage_claims(records, stage), distrusted)
     if not sources.peer_ids:
         raise _NotYet(f"stage {stage}: {sources.reason}")
@@ -176,8 +192,9 @@ async def _download_stage(p2p: P2P, records: Mapping[str, PeerRecord], run: RunC
     reasons = []
     for peer_id in sources.peer_ids:
         try:
-            reply = await call_peer(p2p, PeerID.from_base58(peer_id), "parameters", {}, timeout=timeout,
-                                    max_reply_bytes=limit)
+            reply = await call_peer(
+                p2p, PeerID.from_base58(peer_id), "parameters", {}, timeout=timeout, max_reply_bytes=limit
+            )
         except Exception as e:  # timeouts, dead peers, error replies: ask the next replica
             reasons.append(f"{peer_id}: {type(e).__name__}: {e}")
             continue
@@ -186,11 +203,15 @@ async def _download_stage(p2p: P2P, records: Mapping[str, PeerRecord], run: RunC
             return StageState(stage, sources.step, sources.digest, peer_id, parameters)
         if verdict.distrust:
             distrusted.add(peer_id)
-            logger.warning(f"stage {stage}: replica {peer_id} serves parameters other than it announces: "
-                           f"{verdict.reason}; not trusting it")
+            logger.warning(
+                f"stage {stage}: replica {peer_id} serves parameters other than it announces: "
+                f"{verdict.reason}; not trusting it"
+            )
         reasons.append(f"{peer_id}: {verdict.reason}")
-    raise _NotYet(f"stage {stage}: no replica sent the state its majority announces (step {sources.step}, "
-                  f"digest {sources.digest}): {'; '.join(reasons)}")
+    raise _NotYet(
+        f"stage {stage}: no replica sent the state its majority announces (step {sources.step}, "
+        f"digest {sources.digest}): {'; '.join(reasons)}"
+    )
 
 
 async def collect_stage_states(dht: Any, p2p: P2P, config: ExportConfig) -> List[StageState]:
@@ -204,8 +225,10 @@ async def collect_stage_states(dht: Any, p2p: P2P, config: ExportConfig) -> List
             await asyncio.sleep(config.retry_period_s)
         try:
             records = await read_run_records(dht, run)
-            states = [await _download_stage(p2p, records, run, stage, distrusted, config.call_timeout_s)
-                      for stage in range(run.num_stages)]
+            states = [
+                await _download_stage(p2p, records, run, stage, distrusted, config.call_timeout_s)
+                for stage in range(run.num_stages)
+            ]
         except (_NotYet, LookupError) as e:
             reason = str(e)
             logger.info(f"export round {round_index + 1}/{config.max_rounds}: {reason}")
@@ -227,22 +250,34 @@ def write_tokenizer_files(out_dir: Path, data: bytes, seq_len: int) -> List[Path
     ``transformers.AutoTokenizer`` load it as a fast tokenizer whose end-of-text token separates documents."""
     tokenizer_path, config_path = out_dir / "tokenizer.json", out_dir / "tokenizer_config.json"
     tokenizer_path.write_bytes(data)
-    config_path.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len,
-                                       "eos_token": DOCUMENT_SEPARATOR_TOKEN, "add_bos_token": False,
-                                       "add_eos_token": False}, indent=2, sort_keys=True))
+    config_path.write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": seq_len,
+                "eos_token": DOCUMENT_SEPARATOR_TOKEN,
+                "add_bos_token": False,
+                "add_eos_token": False,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+    )
     return [tokenizer_path, config_path]
 
 
 def write_export(config: ExportConfig, states: Sequence[StageState], tokenizer: Optional[bytes]) -> List[Path]:
     """Write the checkpoint of ``states`` (one per stage, in order) and the run's tokenizer files, if any."""
     if [state.stage for state in states] != list(range(config.run.num_stages)):
-        raise ExportError(f"need one state per stage 0..{config.run.num_stages - 1}, got stages "
-                          f"{[state.stage for state in states]}")
+        raise ExportError(
+            f"need one state per stage 0..{config.run.num_stages - 1}, got stages {[state.stage for state in states]}"
+        )
     if bool(tokenizer) != bool(config.run.tokenizer_sha256):
         raise ExportError("a run with a tokenizer needs its file, and a byte-token run has none")
     out = Path(config.out).expanduser()
-    written = export_checkpoint(config.run.model, [state.parameters for state in states], out,
-                                dtype=DTYPES[config.dtype])
+    written = export_checkpoint(
+        config.run.model, [state.parameters for state in states], out, dtype=DTYPES[config.dtype]
+    )
     if tokenizer:
         written += write_tokenizer_files(out, tokenizer, config.run.model.seq_len)
     return written

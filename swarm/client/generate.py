@@ -28,8 +28,15 @@ from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.training.tokenizer import DEFAULT_CACHE_DIR, RunTokenizer
 
-__all__ = ["GenerateConfig", "GenerationResult", "sample_token", "context_window", "TextStream", "encode_prompt",
-           "SwarmGenerator"]
+__all__ = [
+    "GenerateConfig",
+    "GenerationResult",
+    "sample_token",
+    "context_window",
+    "TextStream",
+    "encode_prompt",
+    "SwarmGenerator",
+]
 
 
 @dataclass
@@ -44,9 +51,15 @@ class GenerateConfig:
     forward_timeout_s: float = 30.0  # seconds one stage call may take
     max_retries: int = 8  # attempts per stage call before generation fails
     refresh_period_s: float = 2.0  # seconds between reads of the swarm's peers while generating
-    tokenizer: Optional[str] = field(default=None, metadata={"help": (
-        "the run's tokenizer.json (its SHA-256 must equal run.tokenizer_sha256); None = the cached copy, fetched "
-        "from the organiser with --join")})
+    tokenizer: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": (
+                "the run's tokenizer.json (its SHA-256 must equal run.tokenizer_sha256); None = the cached copy, fetched "
+                "from the organiser with --join"
+            )
+        },
+    )
     tokenizer_cache_dir: str = DEFAULT_CACHE_DIR  # where tokenizers fetched from organisers are kept
     run: RunConfig = field(default_factory=RunConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -82,6 +95,7 @@ class GenerationResult:
 
 
 # ---- local decisions (pure) ----
+
 
 def sample_token(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
     """The next token from one row of logits [vocab]: the most likely with ``temperature`` 0, else a draw from
@@ -120,7 +134,7 @@ class TextStream:
         text = self.tokenizer.tokenizer.decode(self._ids, skip_special_tokens=False)
         if text.endswith("\ufffd"):  # part of a character: wait for the rest
             return ""
-        new, self._shown = text[self._shown:], len(text)
+        new, self._shown = text[self._shown :], len(text)
         return new
 
     def flush(self) -> str:
@@ -128,14 +142,17 @@ class TextStream:
         if self.tokenizer is None:
             return self._bytes.decode(b"", final=True)
         text = self.tokenizer.tokenizer.decode(self._ids, skip_special_tokens=False)
-        new, self._shown = text[self._shown:], len(text)
+        new, self._shown = text[self._shown :], len(text)
         return new
 
 
 def encode_prompt(prompt: str, tokenizer: Optional[RunTokenizer], vocab_size: int) -> List[int]:
     """The prompt's token ids: its UTF-8 bytes in a byte-token run, else the run's tokenizer's ids."""
-    ids = list(prompt.encode("utf-8")) if tokenizer is None else \
-        tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
+    ids = (
+        list(prompt.encode("utf-8"))
+        if tokenizer is None
+        else tokenizer.tokenizer.encode(prompt, add_special_tokens=False).ids
+    )
     if not ids:
         raise ValueError("the prompt encodes to no tokens")
     if max(ids) >= vocab_size:
@@ -145,20 +162,36 @@ def encode_prompt(prompt: str, tokenizer: Optional[RunTokenizer], vocab_size: in
 
 # ---- the swarm ----
 
+
 class SwarmGenerator:
     """Runs in the caller's event loop: ``snapshot`` gives the run's peers now (refreshed by ``refresh``),
     and each token is a forward through every stage."""
 
-    def __init__(self, p2p: P2P, config: GenerateConfig, refresh: Callable[[], Any],
-                 snapshot: Callable[[], Sequence[PeerInfo]], seed: int):
+    def __init__(
+        self,
+        p2p: P2P,
+        config: GenerateConfig,
+        refresh: Callable[[], Any],
+        snapshot: Callable[[], Sequence[PeerInfo]],
+        seed: int,
+    ):
         run = config.run
         self.config, self.run, self.refresh = config, run, refresh
         self._stale = True
         self.client = PipelineClient(
-            p2p, run.num_stages, snapshot, Router(seed=seed), Ledger(LedgerPolicy()), model=run.model,
-            forward_timeout_s=config.forward_timeout_s, backward_timeout_s=config.forward_timeout_s,
-            max_retries=config.max_retries, on_stale_snapshot=self._mark_stale,
-            compression=run.compression, block_size=run.compression_block_size)
+            p2p,
+            run.num_stages,
+            snapshot,
+            Router(seed=seed),
+            Ledger(LedgerPolicy()),
+            model=run.model,
+            forward_timeout_s=config.forward_timeout_s,
+            backward_timeout_s=config.forward_timeout_s,
+            max_retries=config.max_retries,
+            on_stale_snapshot=self._mark_stale,
+            compression=run.compression,
+            block_size=run.compression_block_size,
+        )
         self._refreshed_at = float("-inf")
 
     def _mark_stale(self) -> None:
@@ -177,12 +210,17 @@ class SwarmGenerator:
         for stage in range(self.run.num_stages - 1):
             reply, _ = await self.client.call_stage(stage, "forward", {"inputs": x}, self.config.forward_timeout_s)
             x = reply["outputs"]
-        reply, _ = await self.client.call_stage(self.run.num_stages - 1, "forward", {"inputs": x, "logits": True},
-                                                self.config.forward_timeout_s)
+        reply, _ = await self.client.call_stage(
+            self.run.num_stages - 1, "forward", {"inputs": x, "logits": True}, self.config.forward_timeout_s
+        )
         return reply["logits"][0]
 
-    async def generate(self, prompt_ids: Sequence[int], generator: torch.Generator,
-                       on_token: Callable[[int], None] = lambda token: None) -> GenerationResult:
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        generator: torch.Generator,
+        on_token: Callable[[int], None] = lambda token: None,
+    ) -> GenerationResult:
         """``max_new_tokens`` tokens after ``prompt_ids``; ``on_token`` sees each as it is sampled."""
         tokens, new = list(prompt_ids), []
         started = time.monotonic()
@@ -193,4 +231,3 @@ class SwarmGenerator:
             new.append(token)
             on_token(token)
         return GenerationResult(new, time.monotonic() - started)
-

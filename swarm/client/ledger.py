@@ -31,8 +31,17 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Protocol, Sequence,
 
 import torch
 
-__all__ = ["Contribution", "Ledger", "LedgerPolicy", "ReplicaRecord", "Resolution", "StepKey", "decide",
-           "parse_step_members", "VERDICTS"]
+__all__ = [
+    "Contribution",
+    "Ledger",
+    "LedgerPolicy",
+    "ReplicaRecord",
+    "Resolution",
+    "StepKey",
+    "decide",
+    "parse_step_members",
+    "VERDICTS",
+]
 
 VERDICTS = ("commit", "resend", "wait", "ask")
 MAX_MEMBERS = 4096  # peer ids one step_members reply may list
@@ -41,16 +50,38 @@ StepKey = Tuple[int, int]  # (stage, step)
 
 
 class ReplicaRecord(Protocol):
-    """What the ledger reads of a replica's DHT record (:class:`swarm.dht.records.PeerRecord`)."""
+    """What the ledger reads of a replica's DHT record (:class:`swarm.dht.records.PeerRecord`): read-only, so
+    that a record whose fields are narrower (``state`` a ``Literal``) is one."""
 
-    peer_id: str
-    stage: int
-    state: str  # "joining" | "online" | "leaving"
-    step: int  # global steps applied to its parameters
-    accum_step: int  # the step its backward passes accumulate into now
-    samples_frozen: int  # samples of the previous step, being averaged now
-    resets: int  # states it adopted so far (each drops the gradients it held)
-    reset_from: int  # the lowest step whose gradients its latest adoption dropped
+    @property
+    def peer_id(self) -> str: ...
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def state(self) -> str:
+        """Its state: "joining", "online" or "leaving"."""
+
+    @property
+    def step(self) -> int:
+        """Global steps applied to its parameters."""
+
+    @property
+    def accum_step(self) -> int:
+        """The step its backward passes accumulate into now."""
+
+    @property
+    def samples_frozen(self) -> int:
+        """Samples of the previous step, being averaged now."""
+
+    @property
+    def resets(self) -> int:
+        """States it adopted so far (each drops the gradients it held)."""
+
+    @property
+    def reset_from(self) -> int:
+        """The lowest step whose gradients its latest adoption dropped."""
 
     def contributed_to(self, step: int) -> Optional[bool]:
         """Whether its own gradients went into its applied step ``step``; None if it cannot tell."""
@@ -79,7 +110,8 @@ class LedgerPolicy:
     """How long to trust a silent replica."""
 
     peer_grace_s: float = 5.0  # seconds a replica's record must be missing before the replica counts as gone
-    lost_after_s: float = 20.0  # seconds a gone replica may stay unaccounted for (nobody knows its step) before its work is re-sent
+    # seconds a gone replica may stay unaccounted for (nobody knows its step) before its work is re-sent
+    lost_after_s: float = 20.0
 
     def __post_init__(self) -> None:
         if not 0 < self.peer_grace_s <= self.lost_after_s:
@@ -94,8 +126,13 @@ class Resolution:
     ask: Set[StepKey] = field(default_factory=set)
 
 
-def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, answers: Optional[Sequence[Optional[bool]]],
-           policy: LedgerPolicy = LedgerPolicy()) -> str:
+def decide(
+    item: Contribution,
+    holder: Optional[ReplicaRecord],
+    lost_s: float,
+    answers: Optional[Sequence[Optional[bool]]],
+    policy: LedgerPolicy = LedgerPolicy(),
+) -> str:
     """One of :data:`VERDICTS` for ``item``, accumulated into step ``item.step`` of replica ``item.peer_id``.
 
     ``holder``: that replica's record in the current snapshot, or None if it is missing from it.
@@ -103,16 +140,16 @@ def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, a
     ``answers``: None if the stage's live replicas were not asked about the step yet; else one per
     replica that answered: True (the step's members include the holder), False (they do not),
     None (that replica does not know the step)."""
-    serving = holder is not None and holder.stage == item.stage
-    if serving and holder.resets != item.resets and not survived_reset(item, holder):
+    serving = holder if holder is not None and holder.stage == item.stage else None  # the holder, still at the stage
+    if serving is not None and serving.resets != item.resets and not survived_reset(item, serving):
         return "resend"  # the holder adopted another state since it took the micro-batch, dropping it
-    if serving and holder.state == "online" and holder.is_tentative(item.step):
+    if serving is not None and serving.state == "online" and serving.is_tentative(item.step):
         return "wait"  # a minority of the stage averaged the step: it stands or is dropped once the stage agrees
-    if serving:
-        included = holder.contributed_to(item.step)
+    if serving is not None:
+        included = serving.contributed_to(item.step)
         if included is not None:
             return "commit" if included else "resend"
-        if holder.state == "online" and holder.step <= item.step:
+        if serving.state == "online" and serving.step <= item.step:
             return "wait"  # its step item.step is not applied yet
     elif holder is None and lost_s < policy.peer_grace_s:
         return "wait"  # a record that lapsed for a moment is not a death
@@ -127,7 +164,7 @@ def decide(item: Contribution, holder: Optional[ReplicaRecord], lost_s: float, a
         return "resend"
     if known:
         return "wait"  # the replicas that know the step disagree evenly: ask again later
-    if serving and holder.state == "online":
+    if serving is not None and serving.state == "online":
         return "commit"  # it applied the step long ago and is still online: its own gradients were in it
     return "resend" if lost_s >= policy.lost_after_s else "wait"
 
@@ -174,8 +211,12 @@ class Ledger:
         """(peer id, stage) of every replica holding an open contribution."""
         return {(item.peer_id, item.stage) for item in self._open.values()}
 
-    def resolve(self, records: Mapping[str, ReplicaRecord], lost_s: Mapping[Tuple[str, int], float],
-                members: Mapping[StepKey, Mapping[str, Optional[FrozenSet[str]]]]) -> Resolution:
+    def resolve(
+        self,
+        records: Mapping[str, ReplicaRecord],
+        lost_s: Mapping[Tuple[str, int], float],
+        members: Mapping[StepKey, Mapping[str, Optional[FrozenSet[str]]]],
+    ) -> Resolution:
         """Commit what is confirmed; return (and keep open) what to re-send, and which steps to ask about.
 
         ``records``: peer id -> record of the current snapshot. ``lost_s``: (peer id, stage) ->
@@ -186,8 +227,9 @@ class Ledger:
         for key, item in list(self._open.items()):
             answers = members.get((item.stage, item.step))
             votes = None if answers is None else [None if m is None else item.peer_id in m for m in answers.values()]
-            verdict = decide(item, records.get(item.peer_id), lost_s.get((item.peer_id, item.stage), 0.0), votes,
-                             self.policy)
+            verdict = decide(
+                item, records.get(item.peer_id), lost_s.get((item.peer_id, item.stage), 0.0), votes, self.policy
+            )
             if verdict == "commit":
                 del self._open[key]
                 self.samples_committed[item.stage] = self.samples_committed.get(item.stage, 0) + item.samples

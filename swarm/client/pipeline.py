@@ -48,11 +48,21 @@ from swarm.net.rpc import RemoteError, call_peer
 class ReplyChecker(Protocol):
     """Spot-checks a replica's reply on other replicas (:class:`swarm.client.verification.ReplyVerifier`)."""
 
-    async def check(self, stage: int, method: str, message: Mapping[str, Any], reply: Dict[str, Any],
-                    peer_id: str, timeout: float) -> Dict[str, Any]: ...
+    async def check(
+        self, stage: int, method: str, message: Mapping[str, Any], reply: Dict[str, Any], peer_id: str, timeout: float
+    ) -> Dict[str, Any]: ...
 
-__all__ = ["PipelineClient", "StageUnavailable", "Unauthorized", "BadReply", "FailureVerdict", "check_reply",
-           "judge_failure", "HIDDEN_DTYPE"]
+
+__all__ = [
+    "PipelineClient",
+    "StageUnavailable",
+    "Unauthorized",
+    "BadReply",
+    "FailureVerdict",
+    "check_reply",
+    "judge_failure",
+    "HIDDEN_DTYPE",
+]
 
 logger = get_logger(__name__)
 HIDDEN_DTYPE = torch.float32  # swarm.model.gpt builds every stage in torch's default dtype: hidden states are float32
@@ -86,8 +96,10 @@ def encoded_float_bytes(elements: int, compression: str, block_size: int) -> int
 
 # ---- checking replies (pure) ----
 
-def check_reply(reply: Any, *, stage: int, num_stages: int, method: str, inputs: Any,
-                hidden_size: int, logits_of: int = 0) -> Optional[str]:
+
+def check_reply(
+    reply: Any, *, stage: int, num_stages: int, method: str, inputs: Any, hidden_size: int, logits_of: int = 0
+) -> Optional[str]:
     """Why ``reply`` to ``method`` on ``stage`` (called with ``inputs``) cannot be used, or None if it can.
 
     Forward below the last stage: finite ``outputs`` of shape (batch, seq_len, hidden_size) in
@@ -146,6 +158,7 @@ def _check_count(reply: Mapping, key: str) -> Optional[str]:
 
 # ---- what a failed call means (pure) ----
 
+
 @dataclass(frozen=True)
 class FailureVerdict:
     """What to do with the replica after a failed call: ``action`` is 'ban' (with backoff), 'pause'
@@ -154,7 +167,8 @@ class FailureVerdict:
     action: str
     reason: str
     stale_snapshot: bool = False  # the replica serves another stage: re-read the swarm
-    kind: str = "failed_call"  # a fixed word for the failure (metrics): bad_reply, timeout, unreachable or a RemoteError kind
+    # a fixed word for the failure (metrics): bad_reply, timeout, unreachable or a RemoteError kind
+    kind: str = "failed_call"
 
 
 def judge_failure(error: BaseException) -> FailureVerdict:
@@ -185,22 +199,40 @@ class PipelineClient:
     Runs in the trainer's event loop; ``model`` gives the hidden size that replies are checked against;
     requests go in the run's ``compression`` (blocks of ``block_size`` values for int8)."""
 
-    def __init__(self, p2p: P2P, num_stages: int, snapshot: Callable[[], Sequence[PeerInfo]], router: Router,
-                 ledger: Ledger, *, model: ModelConfig, forward_timeout_s: float, backward_timeout_s: float,
-                 max_retries: int, on_stale_snapshot: Optional[Callable[[], None]] = None, busy_pause_s: float = 0.5,
-                 compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(
+        self,
+        p2p: P2P,
+        num_stages: int,
+        snapshot: Callable[[], Sequence[PeerInfo]],
+        router: Router,
+        ledger: Ledger,
+        *,
+        model: ModelConfig,
+        forward_timeout_s: float,
+        backward_timeout_s: float,
+        max_retries: int,
+        on_stale_snapshot: Optional[Callable[[], None]] = None,
+        busy_pause_s: float = 0.5,
+        compression: str = "none",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
         self.p2p, self.num_stages, self.snapshot, self.router, self.ledger = p2p, num_stages, snapshot, router, ledger
         self.model = model
         self.compression, self.block_size = check_codec(compression), check_block_size(block_size)
-        self.forward_timeout_s, self.backward_timeout_s, self.max_retries = forward_timeout_s, backward_timeout_s, max_retries
+        self.forward_timeout_s, self.backward_timeout_s, self.max_retries = (
+            forward_timeout_s,
+            backward_timeout_s,
+            max_retries,
+        )
         self.on_stale_snapshot = on_stale_snapshot or (lambda: None)
         self.busy_pause_s = busy_pause_s
         self.verifier: Optional[ReplyChecker] = None  # spot-checks replies on other replicas (set by the trainer)
         self.attack = TrainerAttack()  # what an emulated poisoning trainer does to its gradients (set by the trainer)
         self.in_flight: Dict[str, int] = {}  # peer id -> this trainer's calls to it under way (routing weighs them)
 
-    async def call_stage(self, stage: int, method: str, message: Dict[str, Any], timeout: float,
-                         prefer: Optional[str] = None) -> Tuple[Dict[str, Any], str]:
+    async def call_stage(
+        self, stage: int, method: str, message: Dict[str, Any], timeout: float, prefer: Optional[str] = None
+    ) -> Tuple[Dict[str, Any], str]:
         """Call ``method`` on some replica of ``stage``, ``prefer`` first while it is eligible (see
         :func:`swarm.policy.routing.preferred_replica`); returns a checked reply and the replica's peer id."""
         tried: List[str] = []
@@ -210,8 +242,9 @@ class PipelineClient:
             candidates = [p for p in self.snapshot() if p.stage == stage]
             exclude = tried if len(set(tried)) < len(candidates) else ()
             try:
-                peer = self.router.choose(candidates, time.monotonic(), exclude=exclude, prefer=prefer,
-                                          in_flight=self.in_flight)
+                peer = self.router.choose(
+                    candidates, time.monotonic(), exclude=exclude, prefer=prefer, in_flight=self.in_flight
+                )
             except NoPeerAvailable as e:
                 no_peer = str(e)
                 self.on_stale_snapshot()
@@ -226,17 +259,25 @@ class PipelineClient:
             return reply, peer.peer_id
         raise StageUnavailable(_summary(stage, method, self.max_retries, errors, no_peer))
 
-    async def _attempt(self, peer_id: str, stage: int, method: str, message: Dict[str, Any],
-                       timeout: float) -> Dict[str, Any]:
+    async def _attempt(
+        self, peer_id: str, stage: int, method: str, message: Dict[str, Any], timeout: float
+    ) -> Dict[str, Any]:
         """One call to one replica; returns its checked reply, raises whatever went wrong."""
         started = time.monotonic()
         self.in_flight[peer_id] = self.in_flight.get(peer_id, 0) + 1
         try:
-            reply = await call_peer(self.p2p, PeerID.from_base58(peer_id), method, {**message, "stage": stage},
-                                    timeout=timeout, max_reply_bytes=self._reply_limit(message),
-                                    compression=self.compression, block_size=self.block_size,
-                                    expected_reply_bytes=self._expected_reply_bytes(stage, method, message),
-                                    direct=True)
+            reply = await call_peer(
+                self.p2p,
+                PeerID.from_base58(peer_id),
+                method,
+                {**message, "stage": stage},
+                timeout=timeout,
+                max_reply_bytes=self._reply_limit(message),
+                compression=self.compression,
+                block_size=self.block_size,
+                expected_reply_bytes=self._expected_reply_bytes(stage, method, message),
+                direct=True,
+            )
         finally:
             remaining = self.in_flight.pop(peer_id) - 1
             if remaining:
@@ -253,8 +294,9 @@ class PipelineClient:
         except NoPeerAvailable:
             return None
 
-    async def call_replica(self, peer_id: str, stage: int, method: str, message: Dict[str, Any],
-                           timeout: float) -> Optional[Dict[str, Any]]:
+    async def call_replica(
+        self, peer_id: str, stage: int, method: str, message: Dict[str, Any], timeout: float
+    ) -> Optional[Dict[str, Any]]:
         """Call one given replica once (no retries); its checked reply, or None if the call failed (the
         replica is then treated as after any failed call: banned, or set aside if busy)."""
         try:
@@ -266,8 +308,9 @@ class PipelineClient:
                 logger.warning(str(refused))
             return None
 
-    async def _verified(self, stage: int, method: str, message: Dict[str, Any], reply: Dict[str, Any],
-                        peer_id: str, timeout: float) -> Dict[str, Any]:
+    async def _verified(
+        self, stage: int, method: str, message: Dict[str, Any], reply: Dict[str, Any], peer_id: str, timeout: float
+    ) -> Dict[str, Any]:
         """The reply to use: ``reply``, or the majority's where a spot check outvoted ``peer_id``."""
         if self.verifier is None:
             return reply
@@ -298,9 +341,15 @@ class PipelineClient:
         return encoded_float_bytes(elements, self.compression, self.block_size)
 
     def _check(self, peer_id: str, stage: int, method: str, message: Mapping[str, Any], reply: Any) -> None:
-        reason = check_reply(reply, stage=stage, num_stages=self.num_stages, method=method,
-                             inputs=message.get("inputs"), hidden_size=self.model.hidden_size,
-                             logits_of=self.model.vocab_size if message.get("logits") is True else 0)
+        reason = check_reply(
+            reply,
+            stage=stage,
+            num_stages=self.num_stages,
+            method=method,
+            inputs=message.get("inputs"),
+            hidden_size=self.model.hidden_size,
+            logits_of=self.model.vocab_size if message.get("logits") is True else 0,
+        )
         if reason is not None:
             raise BadReply(peer_id, stage, reason)
 
@@ -323,8 +372,10 @@ class PipelineClient:
         else:
             logger.info(f"stage {stage} {method} failed again on {description}")
         if verdict.action == "refuse":
-            raise Unauthorized(f"stage {stage} refused this trainer ({description}): this trainer is not allowed "
-                               f"in the run; check its identity and the run's allowlist") from error
+            raise Unauthorized(
+                f"stage {stage} refused this trainer ({description}): this trainer is not allowed "
+                f"in the run; check its identity and the run's allowlist"
+            ) from error
         return description
 
     async def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -333,8 +384,9 @@ class PipelineClient:
         for stage in range(self.num_stages - 1):
             reply, _ = await self.call_stage(stage, "forward", {"inputs": x}, self.forward_timeout_s)
             x = reply["outputs"]
-        reply, _ = await self.call_stage(self.num_stages - 1, "forward", {"inputs": x, "targets": targets},
-                                         self.forward_timeout_s)
+        reply, _ = await self.call_stage(
+            self.num_stages - 1, "forward", {"inputs": x, "targets": targets}, self.forward_timeout_s
+        )
         return float(reply["loss"])
 
     async def train_step(self, micro_batch_id: str, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -357,8 +409,9 @@ class PipelineClient:
             grad = (await self._backward_persistently(item, prefer=forward_peers[stage])).get("grad_inputs")
         return loss
 
-    async def _backward_persistently(self, item: Contribution, rounds: int = 3,
-                                     prefer: Optional[str] = None) -> Dict[str, Any]:
+    async def _backward_persistently(
+        self, item: Contribution, rounds: int = 3, prefer: Optional[str] = None
+    ) -> Dict[str, Any]:
         """Backward of a stage below the last: the stages above already counted this micro-batch,
         so giving up would leave them with samples this stage never saw. Retry a few rounds (a
         stage can be briefly without replicas while a peer moves) before failing the micro-batch."""

@@ -45,7 +45,13 @@ from swarm.policy.snapshot import PeerInfo
 from swarm.policy.steps import clock_step
 from swarm.policy.verification import VerificationPolicy
 from swarm.dht.records import (
-    AccusationRecord, PeerRecord, TrainerRecord, accusations_key, excluded_by, to_peer_infos, trainers_key,
+    AccusationRecord,
+    PeerRecord,
+    TrainerRecord,
+    accusations_key,
+    excluded_by,
+    to_peer_infos,
+    trainers_key,
 )
 from swarm.net.rpc import RemoteError, call_peer
 
@@ -64,10 +70,17 @@ def load_trainer_corpus(config: TrainerConfig) -> Union[Corpus, TokenizedCorpus]
     max_bytes = None if config.max_data_mb is None else int(config.max_data_mb * 2**20)
     run = config.run
     if run.tokenizer_sha256:
-        tokenizer = load_run_tokenizer(config.tokenizer, run.tokenizer_sha256, run.model.vocab_size,
-                                       config.tokenizer_cache_dir)
-        return load_tokenized_corpus(tokenizer, run.model.seq_len, config.trainer_seed, config.data or None,
-                                     hf_dataset=config.hf_dataset, max_bytes=max_bytes)
+        tokenizer = load_run_tokenizer(
+            config.tokenizer, run.tokenizer_sha256, run.model.vocab_size, config.tokenizer_cache_dir
+        )
+        return load_tokenized_corpus(
+            tokenizer,
+            run.model.seq_len,
+            config.trainer_seed,
+            config.data or None,
+            hf_dataset=config.hf_dataset,
+            max_bytes=max_bytes,
+        )
     if config.hf_dataset:
         return load_hf_dataset(config.hf_dataset, max_bytes=max_bytes)
     return load_corpus(config.data or None, max_bytes=max_bytes)
@@ -106,8 +119,9 @@ class TrainerMetrics:
 class Trainer:
     """Use ``await start()``, then ``await train()``, ``await drain()``, and ``shutdown()``."""
 
-    def __init__(self, config: TrainerConfig, dht: Optional[DHT] = None,
-                 corpus: Optional[Union[Corpus, TokenizedCorpus]] = None):
+    def __init__(
+        self, config: TrainerConfig, dht: Optional[DHT] = None, corpus: Optional[Union[Corpus, TokenizedCorpus]] = None
+    ):
         self.config, self.run = config, config.run
         self.dht, self.corpus = dht, corpus
         self.metrics = TrainerMetrics()
@@ -134,37 +148,54 @@ class Trainer:
 
     @property
     def trainer_id(self) -> str:
+        if self.dht is None:
+            raise RuntimeError("the trainer has not started: it has no DHT, hence no peer id, yet")
         return str(self.dht.peer_id)
 
     async def start(self) -> None:
         if self.config.metrics_port:  # first: a port in use fails the start before anything else began
-            self.metrics_server = start_metrics_server(self.config.metrics_port, role_registry(self.snapshot, trainer_families),
-                                                       self.config.metrics_host)
+            self.metrics_server = start_metrics_server(
+                self.config.metrics_port, role_registry(self.snapshot, trainer_families), self.config.metrics_host
+            )
         if self.dht is None:
             # a DHT client unless told otherwise: a trainer behind NAT could not answer other nodes' requests
             self.dht = start_run_dht(self.config.network, self.run, client_mode=not self.config.serve_dht)
         if self.corpus is None:
             self.corpus = await asyncio.get_running_loop().run_in_executor(None, load_trainer_corpus, self.config)
-        self.sampler = make_sampler(self.corpus, self.run.model.seq_len, self.config.batch_size,
-                                    seed=self.config.trainer_seed)
+        self.sampler = make_sampler(
+            self.corpus, self.run.model.seq_len, self.config.batch_size, seed=self.config.trainer_seed
+        )
         p2p = await self.dht.replicate_p2p()
         await check_run_agreement(p2p, await self._fetch_records(strict=False), self.run)
         self.client = PipelineClient(
-            p2p, self.run.num_stages, lambda: self._snapshot,
+            p2p,
+            self.run.num_stages,
+            lambda: self._snapshot,
             Router(seed=self.config.trainer_seed, slow_tolerance=self.config.slow_replica_tolerance or math.inf),
-            self.ledger, model=self.run.model, forward_timeout_s=self.config.forward_timeout_s,
+            self.ledger,
+            model=self.run.model,
+            forward_timeout_s=self.config.forward_timeout_s,
             backward_timeout_s=self.config.backward_timeout_s,
-            max_retries=self.config.max_retries, on_stale_snapshot=self._refresh_now.set,
-            compression=self.run.compression, block_size=self.run.compression_block_size)
+            max_retries=self.config.max_retries,
+            on_stale_snapshot=self._refresh_now.set,
+            compression=self.run.compression,
+            block_size=self.run.compression_block_size,
+        )
         self.client.attack = self.attack
+        verifier: Optional[ReplyVerifier] = None
         if self.run.defences:
-            self.client.verifier = ReplyVerifier(
-                self.client, VerificationPolicy(verify_fraction=self.config.verify_fraction), self.trainer_id,
-                announced_steps=self._announced_steps, publish=self._publish_accusation, seed=self.config.trainer_seed)
+            verifier = self.client.verifier = ReplyVerifier(
+                self.client,
+                VerificationPolicy(verify_fraction=self.config.verify_fraction),
+                self.trainer_id,
+                announced_steps=self._announced_steps,
+                publish=self._publish_accusation,
+                seed=self.config.trainer_seed,
+            )
         await self.refresh()
         self._tasks.append(asyncio.create_task(self._refresh_loop()))
-        if self.client.verifier is not None:
-            self._tasks.append(asyncio.create_task(self._accusations_loop()))
+        if verifier is not None:
+            self._tasks.append(asyncio.create_task(self._accusations_loop(verifier)))
 
     async def refresh(self) -> None:
         """Read the swarm's peers from the DHT and settle the ledger with what they say.
@@ -188,11 +219,19 @@ class Trainer:
         now = time.monotonic()
         banned = 0 if client is None else sum(client.router.is_banned(r.peer_id, now) for r in records)
         return TrainerSnapshot(
-            run_id=run.run_id, trainer_id=self.trainer_id if self.dht is not None else "",
-            samples_sent=m.samples_sent, micro_batches_failed=m.micro_batches_failed, resent=self.ledger.num_resent,
-            uncommitted=len(self.ledger), samples_committed=dict(self.ledger.samples_committed),
-            loss=m.recent_loss(), samples_per_s=m.samples_per_s, tokens_per_s=m.samples_per_s * run.model.seq_len,
-            global_step=max(steps, default=0), banned_peers=banned)
+            run_id=run.run_id,
+            trainer_id=self.trainer_id if self.dht is not None else "",
+            samples_sent=m.samples_sent,
+            micro_batches_failed=m.micro_batches_failed,
+            resent=self.ledger.num_resent,
+            uncommitted=len(self.ledger),
+            samples_committed=dict(self.ledger.samples_committed),
+            loss=m.recent_loss(),
+            samples_per_s=m.samples_per_s,
+            tokens_per_s=m.samples_per_s * run.model.seq_len,
+            global_step=max(steps, default=0),
+            banned_peers=banned,
+        )
 
     def _routable(self, records: Dict[str, PeerRecord]) -> Dict[str, PeerRecord]:
         """The records minus replicas that most of their stage-mates banned from averaging: such a replica
@@ -210,7 +249,7 @@ class Trainer:
     async def _fetch_records(self, strict: bool) -> Dict[str, PeerRecord]:
         """The run's peer records; peers that announce other run settings are left out."""
         if self.directory is None:
-            self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=str(self.dht.peer_id))
+            self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=self.trainer_id)
         await self.directory.read(timeout=self.config.refresh_period_s * 5, strict=strict)
         return self._same_run(self.directory.records())
 
@@ -229,10 +268,14 @@ class Trainer:
         present = {(record.peer_id, record.stage) for record in records.values()}
         self._last_serving = {key: seen for key, seen in self._last_serving.items() if key in holders or key in present}
         # answers expire: a step nobody knew may be known now, and a replica may have changed its mind
-        self._members = {key: entry for key, entry in self._members.items()
-                         if now - entry[0] < self.config.peer_grace_s}
-        resolution = self.ledger.resolve(records, {key: now - seen for key, seen in self._last_serving.items()},
-                                         {key: answers for key, (_, answers) in self._members.items()})
+        self._members = {
+            key: entry for key, entry in self._members.items() if now - entry[0] < self.config.peer_grace_s
+        }
+        resolution = self.ledger.resolve(
+            records,
+            {key: now - seen for key, seen in self._last_serving.items()},
+            {key: answers for key, (_, answers) in self._members.items()},
+        )
         self._settled.set()  # the ledger may have shrunk: workers waiting for room look again
         for item in resolution.resend:
             key = (item.micro_batch_id, item.stage)
@@ -258,8 +301,10 @@ class Trainer:
         replicas = sorted(r.peer_id for r in self.records.values() if r.stage == stage and r.state == "online")
         try:
             results = await asyncio.gather(*(self._step_members(peer_id, stage, step) for peer_id in replicas))
-            self._members[key] = (time.monotonic(),
-                                  {peer_id: result for peer_id, result in zip(replicas, results) if result is not _NO_ANSWER})
+            self._members[key] = (
+                time.monotonic(),
+                {peer_id: result for peer_id, result in zip(replicas, results) if result is not _NO_ANSWER},
+            )
             self._refresh_now.set()
         finally:
             self._asking.discard(key)
@@ -267,8 +312,13 @@ class Trainer:
     async def _step_members(self, peer_id: str, stage: int, step: int):
         """The members one replica reports for the step, None if it does not know the step, or ``_NO_ANSWER``."""
         try:
-            reply = await call_peer(self.client.p2p, PeerID.from_base58(peer_id), "step_members",
-                                    {"stage": stage, "step": step}, timeout=MEMBERS_TIMEOUT_S)
+            reply = await call_peer(
+                self.client.p2p,
+                PeerID.from_base58(peer_id),
+                "step_members",
+                {"stage": stage, "step": step},
+                timeout=MEMBERS_TIMEOUT_S,
+            )
             return parse_step_members(reply, step)
         except RemoteError as e:
             if e.kind == "bad_request":  # "unknown step": it never applied it, or forgot it
@@ -303,13 +353,14 @@ class Trainer:
     async def _publish_accusation(self, record: AccusationRecord) -> None:
         await store_record(self.dht, accusations_key(self.run.run_id), record, expiration_s=ACCUSATION_EXPIRATION_S)
 
-    async def _accusations_loop(self) -> None:
-        """Read the run's accusations now and every ``ACCUSATIONS_PERIOD_S``; the verifier judges them."""
+    async def _accusations_loop(self, verifier: ReplyVerifier) -> None:
+        """Read the run's accusations now and every ``ACCUSATIONS_PERIOD_S``; ``verifier`` judges them."""
         while True:
             try:
-                accusations = await fetch_records(self.dht, accusations_key(self.run.run_id), AccusationRecord,
-                                                  timeout=ACCUSATIONS_PERIOD_S)
-                self.client.verifier.consider(accusations, time.monotonic())
+                accusations = await fetch_records(
+                    self.dht, accusations_key(self.run.run_id), AccusationRecord, timeout=ACCUSATIONS_PERIOD_S
+                )
+                verifier.consider(accusations, time.monotonic())
             except Exception:
                 logger.exception("reading the run's accusations failed")
             await asyncio.sleep(ACCUSATIONS_PERIOD_S)
@@ -377,14 +428,21 @@ class Trainer:
     async def _publish(self) -> None:
         loss = self.metrics.recent_loss()
         record = TrainerRecord(
-            version=PROTOCOL_VERSION, trainer_id=self.trainer_id, samples_sent=self.metrics.samples_sent,
-            loss=loss if loss is not None and math.isfinite(loss) else None, samples_per_s=self.metrics.samples_per_s,
-            tokens_per_s=self.metrics.samples_per_s * self.run.model.seq_len)
-        await store_record(self.dht, trainers_key(self.run.run_id), record,
-                           expiration_s=max(30.0, 3 * self.config.log_period_s))
+            version=PROTOCOL_VERSION,
+            trainer_id=self.trainer_id,
+            samples_sent=self.metrics.samples_sent,
+            loss=loss if loss is not None and math.isfinite(loss) else None,
+            samples_per_s=self.metrics.samples_per_s,
+            tokens_per_s=self.metrics.samples_per_s * self.run.model.seq_len,
+        )
+        await store_record(
+            self.dht, trainers_key(self.run.run_id), record, expiration_s=max(30.0, 3 * self.config.log_period_s)
+        )
 
     async def evaluate(self, num_batches: int = 4, batch_size: int = 16) -> float:
         """Validation loss through the swarm (forward only), on a fixed set of held-out windows."""
+        if self.corpus is None:
+            raise RuntimeError("the trainer has not started: it has no corpus to evaluate on yet")
         batches = validation_batches(self.corpus.validation, self.run.model.seq_len, batch_size, num_batches)
         losses = [await self.client.evaluate(inputs, targets) for inputs, targets in batches]
         return sum(losses) / len(losses)

@@ -37,7 +37,7 @@ _COMMENTED_FIELD = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
 def _field_help(cls: type) -> Dict[str, str]:
     """Field help from ``metadata['help']`` or else the comment after the field (units live there)."""
     try:
-        comments = dict(m.groups() for m in map(_COMMENTED_FIELD.match, inspect.getsource(cls).splitlines()) if m)
+        comments = {m[1]: m[2] for m in map(_COMMENTED_FIELD.match, inspect.getsource(cls).splitlines()) if m}
     except (OSError, TypeError):
         comments = {}
     return {f.name: f.metadata.get("help", comments.get(f.name, "")) for f in dataclasses.fields(cls)}
@@ -94,6 +94,8 @@ def config_from_dict(cls: Type[T], data: Mapping[str, Any], prefix: str = "") ->
     """Build ``cls`` from a nested mapping; unknown keys and bad values raise :class:`ConfigError`."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{prefix or cls.__name__}: expected a mapping, got {type(data).__name__}")
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass: configs are built only into dataclasses")
     hints, fields = _hints(cls), {field.name: field for field in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -122,6 +124,28 @@ def _leaves(cls: type, path: Tuple[str, ...] = ()) -> Iterator[Tuple[Tuple[str, 
             yield path + (field.name,), field, helps[field.name]
 
 
+def _is_text(cls: type, path: Sequence[str]) -> bool:
+    """Whether the leaf at ``path`` holds text (``str`` or ``Optional[str]``): its flag's value is taken as
+    written, so that ``--prompt 1984`` or ``--prompt yes`` stay text instead of becoming a number or a bool."""
+    tp: Any = cls
+    for name in path:
+        tp = _hints(tp)[name]
+    args = (
+        [arg for arg in typing.get_args(tp) if arg is not type(None)] if typing.get_origin(tp) is typing.Union else [tp]
+    )
+    return args == [str]
+
+
+def _flag_value(cls: type, path: Sequence[str], value: Any) -> Any:
+    """A flag's value: a list as given, text as written (``null`` still clears an optional text), anything else
+    read as a YAML scalar (``true``, ``2e-3``, ``null``)."""
+    if isinstance(value, list):
+        return value
+    if _is_text(cls, path) and value not in ("null", "~"):
+        return value
+    return yaml.safe_load(value)
+
+
 def _add_arguments(parser: argparse.ArgumentParser, cls: type) -> Dict[str, Tuple[str, ...]]:
     dests: Dict[str, Tuple[str, ...]] = {}
     for path, field, help_ in _leaves(cls):
@@ -129,7 +153,9 @@ def _add_arguments(parser: argparse.ArgumentParser, cls: type) -> Dict[str, Tupl
         if name in dests:
             raise RuntimeError(f"config field name {name!r} is used twice ({dests[name]} and {path})")
         dests[name] = path
-        parser.add_argument(f"--{name}", dest=name, default=None, metavar=name.upper(), help=f"{help_} ({'.'.join(path)})")
+        parser.add_argument(
+            f"--{name}", dest=name, default=None, metavar=name.upper(), help=f"{help_} ({'.'.join(path)})"
+        )
     return dests
 
 
@@ -151,8 +177,13 @@ class RoleArgs:
     extras: argparse.Namespace
 
 
-def parse_role_args(cls: type, argv: Optional[Sequence[str]], prog: str, description: str,
-                    add_extras: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> RoleArgs:
+def parse_role_args(
+    cls: type,
+    argv: Optional[Sequence[str]],
+    prog: str,
+    description: str,
+    add_extras: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+) -> RoleArgs:
     """Parse ``--config FILE.yaml`` plus one flag per leaf field of ``cls`` (and the flags ``add_extras``
     adds) into the explicit settings; exits with the reason if the file cannot be read."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
@@ -172,7 +203,7 @@ def parse_role_args(cls: type, argv: Optional[Sequence[str]], prog: str, descrip
     for name, path in dests.items():
         value = getattr(args, name)
         if value is not None:
-            _set_path(data, path, yaml.safe_load(value) if not isinstance(value, list) else value)
+            _set_path(data, path, _flag_value(cls, path, value))
     extras = argparse.Namespace(**{key: value for key, value in vars(args).items() if key not in dests})
     return RoleArgs(parser, data, extras)
 

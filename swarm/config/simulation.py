@@ -46,8 +46,7 @@ class StepSimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"steps.{name} must be an int >= 1, got {value!r}")
-        for name in ("poll_period_s", "announce_period_s", "idle_check_period_s", "matchmaking_time_s",
-                     "distrust_s"):
+        for name in ("poll_period_s", "announce_period_s", "idle_check_period_s", "matchmaking_time_s", "distrust_s"):
             _positive(f"steps.{name}", getattr(self, name))
         for name in ("stage_param_mib", "resync_time_s"):
             _positive(f"steps.{name}", getattr(self, name), allow_zero=True)
@@ -106,8 +105,17 @@ class SimConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        for name in ("hours", "throughput_quantum", "bandwidth_mbps_median", "activation_mib_per_sample",
-                     "mean_lifetime_h", "request_timeout_s", "snapshot_refresh_s", "dht_expiration_s", "sample_period_s"):
+        for name in (
+            "hours",
+            "throughput_quantum",
+            "bandwidth_mbps_median",
+            "activation_mib_per_sample",
+            "mean_lifetime_h",
+            "request_timeout_s",
+            "snapshot_refresh_s",
+            "dht_expiration_s",
+            "sample_period_s",
+        ):
             _positive(name, getattr(self, name))
         for name in ("throughput_jitter", "bandwidth_sigma", "notice_s", "join_time_s", "move_time_s", "measure_s"):
             _positive(name, getattr(self, name), allow_zero=True)
@@ -126,7 +134,9 @@ class SimConfig:
             _positive("throughput_list", value)
         low, high = self.latency_ms_range
         if not (0 <= low <= high and math.isfinite(high)):
-            raise ValueError(f"latency_ms_range must be (low, high) with 0 <= low <= high, got {self.latency_ms_range!r}")
+            raise ValueError(
+                f"latency_ms_range must be (low, high) with 0 <= low <= high, got {self.latency_ms_range!r}"
+            )
         if self.static_join_policy not in JOIN_POLICY_NAMES:
             raise ValueError(f"static_join_policy must be one of {JOIN_POLICY_NAMES}, got {self.static_join_policy!r}")
         if not isinstance(self.rebalance, RebalanceConfig):

@@ -69,13 +69,24 @@ def join_commands(info: JoinInfo) -> Dict[str, Any]:
     holds only ``--run_id`` and ``--num_stages`` and a joiner must add the model and optimizer settings)."""
     if info.manifest_address is not None:
         args = ["--join", info.manifest_address]
-        return {"via": "manifest", "complete": True, "address": info.manifest_address,
-                "peer": _command("peer", args), "trainer": _command("train", args)}
-    run_args = run_flags(info.run) if info.run is not None else \
-        ["--run_id", info.run_id, "--num_stages", str(info.num_stages)]
+        return {
+            "via": "manifest",
+            "complete": True,
+            "address": info.manifest_address,
+            "peer": _command("peer", args),
+            "trainer": _command("train", args),
+        }
+    run_args = (
+        run_flags(info.run) if info.run is not None else ["--run_id", info.run_id, "--num_stages", str(info.num_stages)]
+    )
     args = ["--initial_peers", ",".join(info.initial_peers), *run_args] if info.initial_peers else run_args
-    return {"via": "initial_peers", "complete": info.run is not None, "address": None,
-            "peer": _command("peer", args), "trainer": _command("train", args)}
+    return {
+        "via": "initial_peers",
+        "complete": info.run is not None,
+        "address": None,
+        "peer": _command("peer", args),
+        "trainer": _command("train", args),
+    }
 
 
 def majority_run_hash(records: Mapping[str, Any]) -> Optional[str]:

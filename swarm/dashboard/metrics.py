@@ -37,14 +37,22 @@ def _finite(value: Any) -> Optional[float]:
 
 
 def _stage_families(stages: Iterable[Mapping[str, Any]]) -> List[Metric]:
-    peers = GaugeMetricFamily("swarm_dashboard_peers", "Peers that announce a stage, by stage and state "
-                              "(joining, online, leaving)", labels=["stage", "state"])
-    replicas = GaugeMetricFamily("swarm_dashboard_replicas", "Online replicas serving a stage (0: the stage is lost)",
-                                 labels=["stage"])
-    throughput = GaugeMetricFamily("swarm_dashboard_stage_throughput_samples_per_second",
-                                   "Samples per second a stage's online replicas announce, summed", labels=["stage"])
-    queue = GaugeMetricFamily("swarm_dashboard_stage_queue_length", "Requests waiting at a stage's online replicas, "
-                              "summed", labels=["stage"])
+    peers = GaugeMetricFamily(
+        "swarm_dashboard_peers",
+        "Peers that announce a stage, by stage and state (joining, online, leaving)",
+        labels=["stage", "state"],
+    )
+    replicas = GaugeMetricFamily(
+        "swarm_dashboard_replicas", "Online replicas serving a stage (0: the stage is lost)", labels=["stage"]
+    )
+    throughput = GaugeMetricFamily(
+        "swarm_dashboard_stage_throughput_samples_per_second",
+        "Samples per second a stage's online replicas announce, summed",
+        labels=["stage"],
+    )
+    queue = GaugeMetricFamily(
+        "swarm_dashboard_stage_queue_length", "Requests waiting at a stage's online replicas, summed", labels=["stage"]
+    )
     for row in stages:
         stage = str(row["stage"])
         counts = {"joining": row["joining"], "online": row["replicas"], "leaving": row["leaving"]}
@@ -60,8 +68,9 @@ def dashboard_families(state: Mapping[str, Any], now: float, peer_id: str = "") 
     """The metric families of a dashboard state at Unix time ``now`` (pure). The global step and the loss
     are left out while unknown (no online replica, no trainer announcing a loss), never reported as 0."""
     swarm = state["swarm"]
-    info = GaugeMetricFamily("swarm_info", "Always 1; names the run, the role and its peer id",
-                             labels=["role", "run_id", "peer_id"])
+    info = GaugeMetricFamily(
+        "swarm_info", "Always 1; names the run, the role and its peer id", labels=["role", "run_id", "peer_id"]
+    )
     info.add_metric(["dashboard", str(state["run_id"]), peer_id], 1)
     families: List[Metric] = [
         info,
@@ -69,22 +78,38 @@ def dashboard_families(state: Mapping[str, Any], now: float, peer_id: str = "") 
         _gauge("swarm_dashboard_stages", "Pipeline stages of the run", state["num_stages"]),
         _gauge("swarm_dashboard_peers_online", "Online peers, all stages", swarm["num_peers"]),
         _gauge("swarm_dashboard_trainers", "Trainers announcing themselves", swarm["num_trainers"]),
-        _gauge("swarm_dashboard_samples_per_second", "Samples per second, summed over trainers",
-               swarm["samples_per_s"]),
+        _gauge(
+            "swarm_dashboard_samples_per_second", "Samples per second, summed over trainers", swarm["samples_per_s"]
+        ),
         _gauge("swarm_dashboard_tokens_per_second", "Tokens per second, summed over trainers", swarm["tokens_per_s"]),
-        _gauge("swarm_dashboard_banned_peers", "Peers banned by a majority of their stage-mates (trainers route "
-               "around them)", sum(bool(p["banned"]) for p in state["peers"])),
-        _gauge("swarm_dashboard_accusations", "Trainers whose latest accusation names a peer",
-               len(state["accusations"])),
-        _gauge("swarm_dashboard_poll_ok", "1 when the last read of the DHT succeeded, 0 when it failed",
-               1 if state["poll"]["ok"] else 0),
-        _gauge("swarm_dashboard_last_poll_age_seconds", "Seconds since the last successful read of the DHT (since "
-               "the dashboard started, before the first one)", max(0.0, now - state["updated_at"])),
+        _gauge(
+            "swarm_dashboard_banned_peers",
+            "Peers banned by a majority of their stage-mates (trainers route around them)",
+            sum(bool(p["banned"]) for p in state["peers"]),
+        ),
+        _gauge(
+            "swarm_dashboard_accusations", "Trainers whose latest accusation names a peer", len(state["accusations"])
+        ),
+        _gauge(
+            "swarm_dashboard_poll_ok",
+            "1 when the last read of the DHT succeeded, 0 when it failed",
+            1 if state["poll"]["ok"] else 0,
+        ),
+        _gauge(
+            "swarm_dashboard_last_poll_age_seconds",
+            "Seconds since the last successful read of the DHT (since the dashboard started, before the first one)",
+            max(0.0, now - state["updated_at"]),
+        ),
     ]
     step = _finite(state["global_step"])
     if step is not None:
-        families.append(_gauge("swarm_dashboard_global_step", "The run's global step: the last stage's most advanced "
-                               "online replica", step))
+        families.append(
+            _gauge(
+                "swarm_dashboard_global_step",
+                "The run's global step: the last stage's most advanced online replica",
+                step,
+            )
+        )
     loss = _finite(swarm["loss"])
     if loss is not None:
         families.append(_gauge("swarm_dashboard_loss", "Mean loss over the trainers that announce one", loss))

@@ -20,8 +20,13 @@ __all__ = ["StateBox", "DashboardServer", "STATIC_DIR"]
 
 logger = get_logger(__name__)
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-_CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
+_CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
 
 
 class StateBox:
@@ -107,8 +112,9 @@ class DashboardServer:
         return f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="dashboard-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="dashboard-http", daemon=True
+        )
         self._thread.start()
 
     def shutdown(self) -> None:

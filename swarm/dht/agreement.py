@@ -50,13 +50,16 @@ class RunFilter:
         for peer_id in records.keys() - kept.keys():
             if peer_id not in self._warned and len(self._warned) < 10_000:
                 self._warned.add(peer_id)
-                logger.warning(f"ignoring peer {peer_id}: it announces other run settings "
-                               f"(hash {getattr(records[peer_id], 'run_hash', '')!r}, ours {self.run_hash!r})")
+                logger.warning(
+                    f"ignoring peer {peer_id}: it announces other run settings "
+                    f"(hash {getattr(records[peer_id], 'run_hash', '')!r}, ours {self.run_hash!r})"
+                )
         return kept
 
 
-async def check_run_agreement(p2p: P2P, records: Mapping[str, Any], run: RunConfig, *, timeout: float = 10.0,
-                              max_asked: int = 3) -> None:
+async def check_run_agreement(
+    p2p: P2P, records: Mapping[str, Any], run: RunConfig, *, timeout: float = 10.0, max_asked: int = 3
+) -> None:
     """Raise :class:`ConfigError` naming a field if the run's peers serve settings other than ``run``.
 
     Only peers that announce another hash are asked (at most ``max_asked``); an unreachable or
@@ -71,12 +74,16 @@ async def check_run_agreement(p2p: P2P, records: Mapping[str, Any], run: RunConf
             continue
         version, their_run = theirs
         if version != PROTOCOL_VERSION:
-            raise ConfigError(f"protocol_version: the run's peers speak protocol {version}, this one {PROTOCOL_VERSION}")
+            raise ConfigError(
+                f"protocol_version: the run's peers speak protocol {version}, this one {PROTOCOL_VERSION}"
+            )
         differences = run_differences(their_run, run)
         if differences:
             name, expected, actual = differences[0]
-            raise ConfigError(f"run.{name}: the run's peers use {expected}, this one has {actual}: every run "
-                              f"setting must match the run's (use --join ADDRESS to take them from its manifest)")
+            raise ConfigError(
+                f"run.{name}: the run's peers use {expected}, this one has {actual}: every run "
+                f"setting must match the run's (use --join ADDRESS to take them from its manifest)"
+            )
 
 
 async def _settings_of(p2p: P2P, peer_id: str, timeout: float) -> Optional[Tuple[int, RunConfig]]:

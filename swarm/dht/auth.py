@@ -76,7 +76,9 @@ def authorize_peer(allowlist: Allowlist, claimed_peer_id: str, key_peer_id: Opti
     if key_peer_id is None:
         return Verdict(False, "the message carries no usable public key")
     if claimed_peer_id != key_peer_id:
-        return Verdict(False, f"the message claims to come from {claimed_peer_id!r} but its key belongs to {key_peer_id}")
+        return Verdict(
+            False, f"the message claims to come from {claimed_peer_id!r} but its key belongs to {key_peer_id}"
+        )
     if not allowlist.allows(key_peer_id):
         return Verdict(False, f"peer {key_peer_id} is not in the run's allowlist")
     return ACCEPT
@@ -85,8 +87,11 @@ def authorize_peer(allowlist: Allowlist, claimed_peer_id: str, key_peer_id: Opti
 def check_freshness(sent_at: float, now: float, max_skew_s: float = MAX_CLOCK_SKEW_S) -> Verdict:
     """Is a message stamped ``sent_at`` recent enough (both ways: clocks differ) at time ``now``?"""
     if not abs(sent_at - now) <= max_skew_s:
-        return Verdict(False, f"the message is stamped {sent_at - now:+.1f} s from now (allowed: ±{max_skew_s:.0f} s): "
-                              "a replay, or clocks out of sync")
+        return Verdict(
+            False,
+            f"the message is stamped {sent_at - now:+.1f} s from now (allowed: ±{max_skew_s:.0f} s): "
+            "a replay, or clocks out of sync",
+        )
     return ACCEPT
 
 
@@ -95,11 +100,17 @@ def check_membership(allowlist: Allowlist, own_peer_id: Optional[str]) -> Verdic
     if allowlist.is_open:
         return ACCEPT
     if own_peer_id is None:
-        return Verdict(False, "this run is private: start with --identity_path KEYFILE and ask the organiser to add "
-                              "that key's peer id to the run's allowlist")
+        return Verdict(
+            False,
+            "this run is private: start with --identity_path KEYFILE and ask the organiser to add "
+            "that key's peer id to the run's allowlist",
+        )
     if not allowlist.allows(own_peer_id):
-        return Verdict(False, f"this run is private and this peer's id {own_peer_id} is not in its allowlist: "
-                              "send that id to the organiser")
+        return Verdict(
+            False,
+            f"this run is private and this peer's id {own_peer_id} is not in its allowlist: "
+            "send that id to the organiser",
+        )
     return ACCEPT
 
 
@@ -148,8 +159,14 @@ class AllowlistAuthorizer(AuthorizerBase):
     so only a member could do this, and it could as well send its own requests.
     """
 
-    def __init__(self, private_key: RSAPrivateKey, peer_id: str, allowlist: Allowlist,
-                 peer_id_of: Callable[[bytes], str], max_skew_s: float = MAX_CLOCK_SKEW_S):
+    def __init__(
+        self,
+        private_key: RSAPrivateKey,
+        peer_id: str,
+        allowlist: Allowlist,
+        peer_id_of: Callable[[bytes], str],
+        max_skew_s: float = MAX_CLOCK_SKEW_S,
+    ):
         self._private_key, self.peer_id, self.allowlist = private_key, peer_id, allowlist
         self._peer_id_of, self.max_skew_s = peer_id_of, max_skew_s
         self._token = _sign_token(private_key, peer_id)

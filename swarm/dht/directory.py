@@ -24,7 +24,13 @@ from swarm.dht.node import get_many_in_dht, identity_of
 from swarm.dht.store import parse_value, store_record, warn_once
 from swarm.metrics import count_dht
 from swarm.policy.directory import (
-    level_for, probe_due, probe_estimate, probe_levels, shard_of, shards_to_read, write_levels,
+    level_for,
+    probe_due,
+    probe_estimate,
+    probe_levels,
+    shard_of,
+    shards_to_read,
+    write_levels,
 )
 from swarm.net.dialing import address_book
 from swarm.dht.records import PeerRecord, shard_key
@@ -67,8 +73,9 @@ class Directory:
     stage-mates of its own shard). ``rotate``: shards read per stage per read besides the home shard
     (-1: every shard, for readers that want the whole swarm at any cost)."""
 
-    def __init__(self, dht: DHT, run_id: str, num_stages: int, home: str, rotate: int = 1,
-                 probe_period_s: float = PROBE_PERIOD_S):
+    def __init__(
+        self, dht: DHT, run_id: str, num_stages: int, home: str, rotate: int = 1, probe_period_s: float = PROBE_PERIOD_S
+    ):
         self.dht, self.run_id, self.num_stages, self.home = dht, run_id, num_stages, home
         self.rotate, self.probe_period_s = rotate, probe_period_s
         self.stages = [_Stage() for _ in range(num_stages)]
@@ -85,8 +92,11 @@ class Directory:
         if not await self._read_plans(plans, timeout, strict, now):
             return False
         # a probe that moved a whole-swarm reader to a sharded level: the rest of that level at once
-        second = {stage: self._plan(stage, now) for stage in stages
-                  if self.rotate < 0 and plans[stage][0] and self.stages[stage].level > 0}
+        second = {
+            stage: self._plan(stage, now)
+            for stage in stages
+            if self.rotate < 0 and plans[stage][0] and self.stages[stage].level > 0
+        }
         return await self._read_plans(second, timeout, strict, now) if second else True
 
     def _plan(self, stage: int, now: float) -> Tuple[List[List[str]], Dict[str, Tuple[int, int]]]:
@@ -98,20 +108,29 @@ class Directory:
             keyed: Dict[str, Tuple[int, int]] = {}
             for _ in range(FIRST_PROBE_CHAINS if known.probes == 0 else PROBE_CHAINS):
                 point = secrets.token_hex(8)
-                chain = [(shard_key(self.run_id, stage, level, shard_of(point, level)), level, shard_of(point, level))
-                         for level in probe_levels(known.level, known.probes)]
+                chain = [
+                    (shard_key(self.run_id, stage, level, shard_of(point, level)), level, shard_of(point, level))
+                    for level in probe_levels(known.level, known.probes)
+                ]
                 chains.append([key for key, _, _ in chain])
                 keyed.update({key: (level, shard) for key, level, shard in chain})
             return chains, keyed
         shards, known.cursor = shards_to_read(known.level, shard_of(self.home, known.level), known.cursor, self.rotate)
         return [], {shard_key(self.run_id, stage, known.level, shard): (known.level, shard) for shard in shards}
 
-    async def _read_plans(self, plans: Dict[int, Tuple[List[List[str]], Dict[str, Tuple[int, int]]]], timeout: float,
-                          strict: bool, now: float) -> bool:
+    async def _read_plans(
+        self,
+        plans: Dict[int, Tuple[List[List[str]], Dict[str, Tuple[int, int]]]],
+        timeout: float,
+        strict: bool,
+        now: float,
+    ) -> bool:
         keys = sorted({key for _, keyed in plans.values() for key in keyed})
         try:
-            found = await asyncio.wait_for(self.dht.run_coroutine(
-                partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True), timeout + 1.0)
+            found = await asyncio.wait_for(
+                self.dht.run_coroutine(partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True),
+                timeout + 1.0,
+            )
             if found is None:
                 raise asyncio.TimeoutError(f"no answer within {timeout:.1f}s")
         except (asyncio.TimeoutError, Exception) as e:
@@ -128,10 +147,14 @@ class Directory:
             return False
         count_dht("read", True, len(keys))
         for stage, (chains, keyed) in plans.items():
-            self._update(stage, chains, {key: (level, shard, found.get(key)) for key, (level, shard) in keyed.items()}, now)
+            self._update(
+                stage, chains, {key: (level, shard, found.get(key)) for key, (level, shard) in keyed.items()}, now
+            )
         return True
 
-    def _update(self, stage: int, chains: List[List[str]], values: Dict[str, Tuple[int, int, object]], now: float) -> None:
+    def _update(
+        self, stage: int, chains: List[List[str]], values: Dict[str, Tuple[int, int, object]], now: float
+    ) -> None:
         known = self.stages[stage]
         parsed = {key: (level, shard, parse_value(key, raw, PeerRecord)) for key, (level, shard, raw) in values.items()}
         if chains:
@@ -147,8 +170,11 @@ class Directory:
             known.probed_at, known.probes, known.probe_failures = now, known.probes + 1, 0
         read_shards = {shard for level, shard, _ in parsed.values() if level == known.level}
         # a record of a shard read just now that the shard no longer holds has gone (withdrawn or moved)
-        known.records = {peer_id: entry for peer_id, entry in known.records.items()
-                         if shard_of(peer_id, known.level) not in read_shards}
+        known.records = {
+            peer_id: entry
+            for peer_id, entry in known.records.items()
+            if shard_of(peer_id, known.level) not in read_shards
+        }
         home = shard_of(self.home, known.level)
         for key, (level, shard, entries) in parsed.items():
             if level == known.level and shard == home:
@@ -168,7 +194,9 @@ class Directory:
         for level, _, entries in chain:
             for peer_id in entries:
                 lowest[peer_id] = min(level, lowest.get(peer_id, level))
-        return probe_estimate(level for peer_id, level in lowest.items() if peer_id != self.home) + (self.home in lowest)
+        return probe_estimate(level for peer_id, level in lowest.items() if peer_id != self.home) + (
+            self.home in lowest
+        )
 
     # ---- the view ----
 
@@ -200,8 +228,11 @@ class Directory:
         """What a poll reads: the ``focus`` stage (a stage peer's own: its steps are coordinated from it) on every
         poll, every other stage once ``others_period_s`` passed since its last read (with no focus: all)."""
         now = time.monotonic()
-        return [stage for stage, known in enumerate(self.stages)
-                if focus is None or stage == focus or now - known.read_at >= others_period_s]
+        return [
+            stage
+            for stage, known in enumerate(self.stages)
+            if focus is None or stage == focus or now - known.read_at >= others_period_s
+        ]
 
     def levels(self) -> List[int]:
         return [known.level for known in self.stages]
@@ -217,8 +248,9 @@ class Directory:
         return all(stored)
 
 
-async def fetch_stage_records(dht: DHT, run_id: str, num_stages: int, timeout: float = 5.0,
-                              strict: bool = False) -> Dict[str, PeerRecord]:
+async def fetch_stage_records(
+    dht: DHT, run_id: str, num_stages: int, timeout: float = 5.0, strict: bool = False
+) -> Dict[str, PeerRecord]:
     """Every peer record of the run, read whole (every shard of every stage) in one or two traversals.
 
     For one-off readers (``swarm status``, the run-agreement check, tests); a reader that polls keeps a
@@ -227,4 +259,3 @@ async def fetch_stage_records(dht: DHT, run_id: str, num_stages: int, timeout: f
     directory = Directory(dht, run_id, num_stages, home=identity_of(dht).peer_id, rotate=-1)
     await directory.read(timeout=timeout, strict=strict)
     return directory.records()
-

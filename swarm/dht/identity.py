@@ -104,8 +104,9 @@ def _identity_from_file(path: str, fresh: bool) -> Identity:
         private_key = _parse_identity(data)
     except ValueError as e:
         raise ValueError(f"{path} is not a usable libp2p identity: {e}") from None
-    return Identity(path=path, private_key=private_key, peer_id=_peer_id_of_rsa(private_key._private_key.public_key()),
-                    fresh=fresh)
+    return Identity(
+        path=path, private_key=private_key, peer_id=_peer_id_of_rsa(private_key._private_key.public_key()), fresh=fresh
+    )
 
 
 def _parse_identity(data: bytes) -> RSAPrivateKey:
@@ -130,8 +131,13 @@ def _parse_identity(data: bytes) -> RSAPrivateKey:
 def _wrap(key: rsa.RSAPrivateKey) -> RSAPrivateKey:
     """hivemind's RSAPrivateKey only generates keys; its unpickling path loads one from DER bytes."""
     wrapped = RSAPrivateKey.__new__(RSAPrivateKey)
-    wrapped.__setstate__({"_private_key": key.private_bytes(
-        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption())})
+    wrapped.__setstate__(
+        {
+            "_private_key": key.private_bytes(
+                serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+            )
+        }
+    )
     return wrapped
 
 

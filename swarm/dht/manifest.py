@@ -65,10 +65,16 @@ TOKENIZER_METHOD = "tokenizer"  # the organiser's RPC method that replies with t
 TOKENIZER_REPLY_ENVELOPE_BYTES = 4096  # what the tokenizer reply adds to the file's bytes (keys, the hash, framing)
 # run settings left out of the settings while they hold their default: a run that does not use them keeps
 # the settings, and so the hash and manifest, it had before they existed
-_OMITTED_AT_DEFAULT = {"tokenizer_sha256": ""}
+_OMITTED_AT_DEFAULT: Dict[str, Any] = {"tokenizer_sha256": "", "init_config_sha256": "", "init_stage_digests": []}
 # model settings left out at their defaults: a byte-level GPT run hashes as it did before they existed
-_MODEL_OMITTED_AT_DEFAULT = {"architecture": "gpt", "num_kv_heads": 0, "intermediate_size": 0, "rope_theta": 10000.0,
-                             "rms_norm_eps": 1e-5, "tie_embeddings": False}
+_MODEL_OMITTED_AT_DEFAULT = {
+    "architecture": "gpt",
+    "num_kv_heads": 0,
+    "intermediate_size": 0,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_embeddings": False,
+}
 
 
 class ManifestError(ValueError):
@@ -109,7 +115,9 @@ class SignedManifest:
                 raise ManifestError(f"a signed manifest needs non-empty bytes in {name!r}")
             fields[name] = item
         if len(fields["payload"]) > MAX_MANIFEST_PAYLOAD_BYTES:
-            raise ManifestError(f"manifest payload of {len(fields['payload'])} bytes exceeds {MAX_MANIFEST_PAYLOAD_BYTES}")
+            raise ManifestError(
+                f"manifest payload of {len(fields['payload'])} bytes exceeds {MAX_MANIFEST_PAYLOAD_BYTES}"
+            )
         return cls(**fields)
 
 
@@ -132,7 +140,9 @@ def run_hash(run: RunConfig) -> str:
     return hashlib.sha256(_canonical(run_settings(run))).hexdigest()[:16]
 
 
-def sign_manifest(run: RunConfig, identity: Identity, revision: int, issued_at: Optional[float] = None) -> SignedManifest:
+def sign_manifest(
+    run: RunConfig, identity: Identity, revision: int, issued_at: Optional[float] = None
+) -> SignedManifest:
     """Sign ``run`` as the organiser ``identity``.
 
     A private run must list the organiser itself: its DHT refuses everyone outside the list."""
@@ -140,10 +150,15 @@ def sign_manifest(run: RunConfig, identity: Identity, revision: int, issued_at: 
         raise ValueError(f"revision must be a non-negative integer, got {revision!r}")
     if run.allowlist and identity.peer_id not in run.allowlist:
         raise ValueError(f"the allowlist of a private run must include the organiser's own peer id {identity.peer_id}")
-    payload = _canonical({
-        "protocol_version": PROTOCOL_VERSION, "organiser": identity.peer_id, "revision": revision,
-        "issued_at": float(time.time() if issued_at is None else issued_at), "run": run_settings(run),
-    })
+    payload = _canonical(
+        {
+            "protocol_version": PROTOCOL_VERSION,
+            "organiser": identity.peer_id,
+            "revision": revision,
+            "issued_at": float(time.time() if issued_at is None else issued_at),
+            "run": run_settings(run),
+        }
+    )
     public_key = identity.private_key.get_public_key().to_bytes()
     return SignedManifest(payload, identity.private_key.sign(payload), public_key)
 
@@ -178,8 +193,10 @@ def verify_manifest(signed: SignedManifest, organiser_peer_id: str) -> RunManife
     _check_signer(signed, organiser_peer_id)
     data = _parse_payload(signed.payload)
     if data["protocol_version"] != PROTOCOL_VERSION:
-        raise ManifestError(f"the run uses protocol version {data['protocol_version']!r}, this program speaks "
-                            f"version {PROTOCOL_VERSION}: install the version the organiser uses")
+        raise ManifestError(
+            f"the run uses protocol version {data['protocol_version']!r}, this program speaks "
+            f"version {PROTOCOL_VERSION}: install the version the organiser uses"
+        )
     if data["organiser"] != organiser_peer_id:
         raise ManifestError(f"the manifest names {data['organiser']!r} as organiser, expected {organiser_peer_id}")
     revision, issued_at = data["revision"], data["issued_at"]
@@ -201,8 +218,9 @@ def run_differences(expected: Any, actual: Any, prefix: str = "") -> List[Tuple[
     if dataclasses.is_dataclass(expected) and type(expected) is type(actual):
         differences = []
         for field in dataclasses.fields(expected):
-            differences += run_differences(getattr(expected, field.name), getattr(actual, field.name),
-                                           f"{prefix}{field.name}.")
+            differences += run_differences(
+                getattr(expected, field.name), getattr(actual, field.name), f"{prefix}{field.name}."
+            )
         return differences
     name = prefix[:-1]
     normalize = lambda value: list(value) if isinstance(value, tuple) else value  # noqa: E731
@@ -251,8 +269,13 @@ def join_settings(settings: Mapping[str, Any], manifest: RunManifest, address: s
 async def publish_manifest(dht: Any, signed: SignedManifest, expiration_s: float, timeout: float = 10.0) -> bool:
     """Store ``signed`` in the run's DHT under the signer's owner subkey for ``expiration_s`` seconds."""
     run_id = _parse_payload(signed.payload)["run"]["run_id"]
-    store = dht.store(manifest_key(run_id), signed.to_dict(), get_dht_time() + expiration_s,
-                      subkey=owner_subkey(signed.public_key), return_future=True)
+    store = dht.store(
+        manifest_key(run_id),
+        signed.to_dict(),
+        get_dht_time() + expiration_s,
+        subkey=owner_subkey(signed.public_key),
+        return_future=True,
+    )
     return bool(await asyncio.wait_for(store, timeout))
 
 
@@ -320,14 +343,22 @@ def tokenizer_handler(data: bytes) -> Handler:
     return handle
 
 
-async def fetch_tokenizer_from(p2p: P2P, address: str, expected_sha256: str, timeout: float,
-                               max_bytes: int = MAX_TOKENIZER_BYTES) -> bytes:
+async def fetch_tokenizer_from(
+    p2p: P2P, address: str, expected_sha256: str, timeout: float, max_bytes: int = MAX_TOKENIZER_BYTES
+) -> bytes:
     """The bytes of the tokenizer ``expected_sha256`` from the organiser at ``address``, within ``timeout``
     seconds; a reply above ``max_bytes`` is refused before it is read, and bytes with another SHA-256
     raise :class:`~swarm.training.tokenizer.TokenizerError` naming both hashes."""
     organiser = peer_id_in_address(address)
-    reply = await call_peer(p2p, PeerID.from_base58(organiser), TOKENIZER_METHOD, {}, timeout=timeout, stream=True,
-                            max_reply_bytes=max_bytes + TOKENIZER_REPLY_ENVELOPE_BYTES)
+    reply = await call_peer(
+        p2p,
+        PeerID.from_base58(organiser),
+        TOKENIZER_METHOD,
+        {},
+        timeout=timeout,
+        stream=True,
+        max_reply_bytes=max_bytes + TOKENIZER_REPLY_ENVELOPE_BYTES,
+    )
     data = reply.get("tokenizer")
     if not isinstance(data, bytes) or not data:
         raise ManifestError(f"the organiser {organiser} sent no tokenizer file")

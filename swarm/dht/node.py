@@ -34,10 +34,16 @@ logger = get_logger(__name__)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
 
 
-def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Optional[str] = None,
-              num_stages: Optional[int] = None, identity: Optional[Identity] = None,
-              authorizer: Optional[AuthorizerBase] = None, p2p_options: Optional[Dict[str, Any]] = None) -> DHT:
-
+def start_dht(
+    network: NetworkConfig,
+    client_mode: bool = False,
+    *,
+    run_id: Optional[str] = None,
+    num_stages: Optional[int] = None,
+    identity: Optional[Identity] = None,
+    authorizer: Optional[AuthorizerBase] = None,
+    p2p_options: Optional[Dict[str, Any]] = None,
+) -> DHT:
     """Start a DHT process whose libp2p identity is ``identity`` (loaded from or created at
     ``network.identity_path`` when not given) and attach that identity as ``dht.identity``, so
     that the caller signs its records with the key behind its peer id.
@@ -55,7 +61,7 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     if identity is None:
         identity = load_or_create_identity(network.identity_path)
     validators = [RSASignatureValidator(identity.private_key)]
-    if run_id is not None:
+    if run_id is not None and num_stages is not None:  # (one without the other was refused above)
         validators.append(run_schema_validator(run_id, num_stages))
     validators = [RememberingValidator(validators)]  # an unchanged record is verified once, not on every read
     extra: Dict[str, Any] = {} if authorizer is None else {"authorizer": authorizer}
@@ -64,9 +70,15 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     host_maddrs, announce_maddrs = listen_and_announce(network.host_maddrs, network.announce_maddrs)
     with key_file_for_start(identity) as identity_path:
         dht = DHT(
-            initial_peers=network.initial_peers, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or None,
-            identity_path=identity_path, record_validators=validators, client_mode=client_mode, start=True,
-            startup_timeout=network.startup_timeout_s, **extra,
+            initial_peers=network.initial_peers,
+            host_maddrs=host_maddrs,
+            announce_maddrs=announce_maddrs or None,
+            identity_path=identity_path,
+            record_validators=validators,
+            client_mode=client_mode,
+            start=True,
+            startup_timeout=network.startup_timeout_s,
+            **extra,
         )
     dht.listen_maddrs = host_maddrs
     dht.identity = identity  # lives in this (parent) process only; the DHT process has the key in its validator
@@ -78,16 +90,28 @@ def start_dht(network: NetworkConfig, client_mode: bool = False, *, run_id: Opti
     return dht
 
 
-def start_run_dht(network: NetworkConfig, run: RunConfig, client_mode: bool = False,
-                  p2p_options: Optional[Dict[str, Any]] = None, identity: Optional[Identity] = None) -> DHT:
+def start_run_dht(
+    network: NetworkConfig,
+    run: RunConfig,
+    client_mode: bool = False,
+    p2p_options: Optional[Dict[str, Any]] = None,
+    identity: Optional[Identity] = None,
+) -> DHT:
     """The DHT of a participant of ``run``: its identity (``identity``, else loaded from or created at
     ``network.identity_path``), the run's record schema, and in a private run the allowlist authorizer
     (without which the run's other nodes refuse to talk to it)."""
     from swarm.dht.auth import authorizer_for
 
     identity = identity or load_or_create_identity(network.identity_path)
-    return start_dht(network, client_mode, run_id=run.run_id, num_stages=run.num_stages, identity=identity,
-                     authorizer=authorizer_for(run.allowlist, identity), p2p_options=p2p_options)
+    return start_dht(
+        network,
+        client_mode,
+        run_id=run.run_id,
+        num_stages=run.num_stages,
+        identity=identity,
+        authorizer=authorizer_for(run.allowlist, identity),
+        p2p_options=p2p_options,
+    )
 
 
 def identity_of(dht: DHT) -> Identity:
@@ -124,6 +148,7 @@ async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:
             if not valid and refused is not None:
                 refused.append(key_bytes)
             return valid
+
         return checked
 
     def refusing_junk(call_find):
@@ -138,9 +163,12 @@ async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:
                 return response
             if peer_id not in reported and len(reported) < 10_000:
                 reported.add(peer_id)
-                logger.warning(f"DHT node {peer_id} answered a lookup with {len(refused)} invalid values; not asking "
-                               f"it for a while (longer each time it does so again)")
+                logger.warning(
+                    f"DHT node {peer_id} answered a lookup with {len(refused)} invalid values; not asking "
+                    f"it for a while (longer each time it does so again)"
+                )
             return None  # as if it had not answered: the caller blacklists it
+
         return call_find_refusing_junk
 
     wrap_dht_protocol(node.protocol, wrap_validation=noting, wrap_call_find=refusing_junk)

@@ -52,7 +52,8 @@ __all__ = [
     "parse_entries",
     "parse_records",
     "record_id_of",
-    "update_contributed", "rewind_contributed",
+    "update_contributed",
+    "rewind_contributed",
     "run_schema",
     "run_schema_validator",
     "to_peer_infos",
@@ -283,6 +284,9 @@ def parse_entries(value: object, model: Type[R]) -> Tuple[Dict[str, Tuple[R, flo
             refused.append(verdict.reason)
             continue
         record_id, expiration = record_id_of(verdict.record), float(getattr(item, "expiration_time", 0.0))
+        if record_id is None:  # not reached: check_record accepts only a record whose id is its signer's
+            refused.append(f"record from {_preview(subkey)} names no peer_id or trainer_id")
+            continue
         if record_id not in entries or expiration > entries[record_id][1]:  # one key may come in two spellings
             entries[record_id] = (verdict.record, expiration)
     return entries, refused
@@ -313,15 +317,30 @@ class _WireSchema(pydantic_v1.BaseModel):
         extra = pydantic_v1.Extra.forbid
 
 
+if typing.TYPE_CHECKING:  # what the constrained types hold, for mypy: it cannot read a type made by a call
+    _ManifestPayload = bytes
+    _KeyMaterial = bytes
+else:
+    _ManifestPayload = pydantic_v1.conbytes(strict=True, max_length=MAX_MANIFEST_PAYLOAD_BYTES)
+    _KeyMaterial = pydantic_v1.conbytes(strict=True, max_length=MAX_KEY_MATERIAL_BYTES)
+
+
 class _ManifestWire(_WireSchema):
-    payload: pydantic_v1.conbytes(strict=True, max_length=MAX_MANIFEST_PAYLOAD_BYTES)
-    signature: pydantic_v1.conbytes(strict=True, max_length=MAX_KEY_MATERIAL_BYTES)
-    public_key: pydantic_v1.conbytes(strict=True, max_length=MAX_KEY_MATERIAL_BYTES)
+    payload: _ManifestPayload
+    signature: _KeyMaterial
+    public_key: _KeyMaterial
 
 
 def _bounds(info: FieldInfo) -> Dict[str, Any]:
-    names = {annotated_types.Ge: "ge", annotated_types.Gt: "gt", annotated_types.Le: "le", annotated_types.Lt: "lt",
-             annotated_types.MinLen: "min_length", annotated_types.MaxLen: "max_length", AllowInfNan: "allow_inf_nan"}
+    names = {
+        annotated_types.Ge: "ge",
+        annotated_types.Gt: "gt",
+        annotated_types.Le: "le",
+        annotated_types.Lt: "lt",
+        annotated_types.MinLen: "min_length",
+        annotated_types.MaxLen: "max_length",
+        AllowInfNan: "allow_inf_nan",
+    }
     bounds = {}
     for item in info.metadata:
         name = names.get(type(item))
@@ -343,8 +362,12 @@ def _wire_type(name: str, annotation: Any, bounds: Dict[str, Any]) -> Any:
         return annotation
     if annotation is int and ({"ge", "gt"} & bounds.keys()) and ({"le", "lt"} & bounds.keys()):
         return pydantic_v1.conint(strict=True, **bounds)
-    if annotation is float and bounds.get("allow_inf_nan") is False and ({"ge", "gt"} & bounds.keys()) and (
-            {"le", "lt"} & bounds.keys()):
+    if (
+        annotation is float
+        and bounds.get("allow_inf_nan") is False
+        and ({"ge", "gt"} & bounds.keys())
+        and ({"le", "lt"} & bounds.keys())
+    ):
         return pydantic_v1.confloat(strict=True, **bounds)
     if annotation is str and "max_length" in bounds:
         return pydantic_v1.constr(strict=True, **bounds)
@@ -353,8 +376,9 @@ def _wire_type(name: str, annotation: Any, bounds: Dict[str, Any]) -> Any:
 
 def _wire_model(model: Type[BaseModel]) -> Type[pydantic_v1.BaseModel]:
     """The record as stored: every field present (``model_dump`` writes them all), strictly typed."""
-    fields = {name: (_wire_type(name, info.annotation, _bounds(info)), ...)
-              for name, info in model.model_fields.items()}
+    fields: Dict[str, Any] = {
+        name: (_wire_type(name, info.annotation, _bounds(info)), ...) for name, info in model.model_fields.items()
+    }
     return pydantic_v1.create_model(f"{model.__name__}Wire", __base__=_WireSchema, **fields)
 
 
@@ -367,21 +391,34 @@ def run_schema() -> Type[pydantic_v1.BaseModel]:
     """The DHT schema of a run's keys, one field per kind of key: ``stage`` (every shard of every stage's
     directory, ``shard_key``), ``trainers``, ``manifest``, ``accusations``; each a dictionary from owner
     subkeys to a record (or None, a withdrawn record)."""
-    fields: Dict[str, Any] = {"stage": (Dict[BytesWithPublicKey, Optional[_PEER_WIRE]], None),
-                              "trainers": (Dict[BytesWithPublicKey, Optional[_TRAINER_WIRE]], None),
-                              "manifest": (Dict[BytesWithPublicKey, Optional[_ManifestWire]], None),
-                              "accusations": (Dict[BytesWithPublicKey, Optional[_ACCUSATION_WIRE]], None)}
+    fields: Dict[str, Any] = {
+        "stage": (_subkeyed(_PEER_WIRE), None),
+        "trainers": (_subkeyed(_TRAINER_WIRE), None),
+        "manifest": (_subkeyed(_ManifestWire), None),
+        "accusations": (_subkeyed(_ACCUSATION_WIRE), None),
+    }
     return pydantic_v1.create_model("RunSchema", __base__=_WireSchema, **fields)
+
+
+def _subkeyed(wire: Any) -> Any:
+    """The type of one run key's value: owner subkeys, each to a ``wire`` record or to None (withdrawn). ``wire``
+    is ``Any``: the record models are built at import (``_wire_model``), and mypy takes no variable as a type."""
+    return Dict[BytesWithPublicKey, Optional[wire]]
 
 
 def run_key_kinds(run_id: str, num_stages: int) -> Dict[str, str]:
     """Every key of a run -> the ``run_schema`` field that holds it to its record type."""
     if not isinstance(num_stages, int) or not 1 <= num_stages <= MAX_STAGES:
         raise ValueError(f"num_stages must be an integer in 1..{MAX_STAGES}, got {num_stages!r}")
-    kinds = {shard_key(run_id, stage, level, shard): "stage" for stage in range(num_stages)
-             for level in range(MAX_LEVEL + 1) for shard in range(shard_count(level))}
-    kinds.update({trainers_key(run_id): "trainers", manifest_key(run_id): "manifest",
-                  accusations_key(run_id): "accusations"})
+    kinds = {
+        shard_key(run_id, stage, level, shard): "stage"
+        for stage in range(num_stages)
+        for level in range(MAX_LEVEL + 1)
+        for shard in range(shard_count(level))
+    }
+    kinds.update(
+        {trainers_key(run_id): "trainers", manifest_key(run_id): "manifest", accusations_key(run_id): "accusations"}
+    )
     return kinds
 
 
@@ -392,8 +429,9 @@ class RunSchemaValidator(SchemaValidator):
 
     def __init__(self, run_id: str, num_stages: int):
         super().__init__(run_schema(), allow_extra_keys=True)
-        self._key_id_to_field_name = {key_id(key): kind
-                                      for key, kind in run_key_kinds(validate_run_id(run_id), num_stages).items()}
+        self._key_id_to_field_name = {
+            key_id(key): kind for key, kind in run_key_kinds(validate_run_id(run_id), num_stages).items()
+        }
 
 
 def key_id(key: str) -> bytes:

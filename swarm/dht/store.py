@@ -28,8 +28,9 @@ _WARNED_LIMIT = 1024
 _warned: "OrderedDict[tuple, None]" = OrderedDict()  # (key, reason) already logged, oldest first
 
 
-async def store_record(dht: DHT, key: str, record: Optional[BaseModel], expiration_s: float,
-                       timeout: float = 5.0) -> bool:
+async def store_record(
+    dht: DHT, key: str, record: Optional[BaseModel], expiration_s: float, timeout: float = 5.0
+) -> bool:
     """Store ``record`` (None withdraws it) under this node's owner subkey of ``key``.
 
     The record must carry this node's own peer id: readers drop any other as a forgery."""
@@ -38,8 +39,12 @@ async def store_record(dht: DHT, key: str, record: Optional[BaseModel], expirati
         raise ValueError(f"a record stored by {identity.peer_id} must carry that id, not {record_id_of(record)!r}")
     value = None if record is None else record.model_dump(mode="json")  # msgpack in the DHT wants str map keys
     try:
-        stored = bool(await asyncio.wait_for(dht.store(
-            key, value, get_dht_time() + expiration_s, subkey=identity.owner_subkey, return_future=True), timeout))
+        stored = bool(
+            await asyncio.wait_for(
+                dht.store(key, value, get_dht_time() + expiration_s, subkey=identity.owner_subkey, return_future=True),
+                timeout,
+            )
+        )
     except (asyncio.TimeoutError, Exception) as e:
         logger.warning(f"DHT store of {key!r} failed: {type(e).__name__}: {e}")
         stored = False
@@ -47,8 +52,7 @@ async def store_record(dht: DHT, key: str, record: Optional[BaseModel], expirati
     return stored
 
 
-async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0,
-                        strict: bool = False) -> Dict[str, R]:
+async def fetch_records(dht: DHT, key: str, model: Type[R], timeout: float = 5.0, strict: bool = False) -> Dict[str, R]:
     """All valid records under ``key``, keyed by their id (``peer_id`` or ``trainer_id``).
 
     A failed lookup gives an empty dict and a log line, or with ``strict`` raises ``LookupError``:

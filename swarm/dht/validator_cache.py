@@ -47,8 +47,9 @@ class RememberingValidator(RecordValidatorBase):
         self.remembered = 0  # records accepted without checking
 
     def validate(self, record: DHTRecord) -> bool:
-        seen = hashlib.sha256(MSGPackSerializer.dumps(
-            (record.key, record.subkey, record.value, float(record.expiration_time)))).digest()
+        seen = hashlib.sha256(
+            MSGPackSerializer.dumps((record.key, record.subkey, record.value, float(record.expiration_time)))
+        ).digest()
         if seen in self._accepted:
             self._accepted.move_to_end(seen)
             self.remembered += 1

@@ -34,8 +34,10 @@ def check_available(device: torch.device) -> None:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             built = "built without CUDA" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise ValueError(f"device {device}: no CUDA device is usable on this machine (torch {torch.__version__}, "
-                             f"{built}); use --device cpu or install a CUDA build of torch")
+            raise ValueError(
+                f"device {device}: no CUDA device is usable on this machine (torch {torch.__version__}, "
+                f"{built}); use --device cpu or install a CUDA build of torch"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise ValueError(f"device {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")

@@ -24,4 +24,3 @@ def all_finite(tensor: torch.Tensor) -> bool:
     if not tensor.is_floating_point():
         return bool(torch.isfinite(tensor).all())
     return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
-

@@ -19,10 +19,27 @@ from swarm.model.stages import stage_skeleton
 if TYPE_CHECKING:  # the peer's settings import the model package; only their type is needed here
     from swarm.config.settings import PeerConfig
 
-__all__ = ["StageFootprint", "stage_parameter_counts", "model_parameter_count", "stage_footprint", "expected_footprint",
-           "COMPUTE_BYTES_PER_PARAMETER", "OPTIMIZER_BYTES_PER_PARAMETER", "PROCESS_BASE_BYTES", "COMPUTE_DTYPES",
-           "StageMemory", "activation_bytes", "stage_memory", "memory_refusal", "stages_that_fit",
-           "device_free_bytes", "peer_stage_memory", "check_peer_fits", "peer_fitting_stages", "StageDoesNotFit"]
+__all__ = [
+    "StageFootprint",
+    "stage_parameter_counts",
+    "model_parameter_count",
+    "stage_footprint",
+    "expected_footprint",
+    "COMPUTE_BYTES_PER_PARAMETER",
+    "OPTIMIZER_BYTES_PER_PARAMETER",
+    "PROCESS_BASE_BYTES",
+    "COMPUTE_DTYPES",
+    "StageMemory",
+    "activation_bytes",
+    "stage_memory",
+    "memory_refusal",
+    "stages_that_fit",
+    "device_free_bytes",
+    "peer_stage_memory",
+    "check_peer_fits",
+    "peer_fitting_stages",
+    "StageDoesNotFit",
+]
 
 # where the stage computes, float32 copies of every parameter: the weights, the gradient sum of the step
 # being accumulated, the frozen mean gradient of the step being averaged, and one backward's gradients
@@ -53,8 +70,9 @@ class StageFootprint:
 def stage_parameter_counts(model: ModelConfig, num_stages: int) -> List[int]:
     """Parameters of every stage, as built by :func:`swarm.model.stages.build_stage`: its blocks, plus the
     embeddings at the first and the final norm and LM head at the last (a tied LM head counted once)."""
-    return [sum(p.numel() for p in stage_skeleton(model, stage, num_stages).parameters())
-            for stage in range(num_stages)]
+    return [
+        sum(p.numel() for p in stage_skeleton(model, stage, num_stages).parameters()) for stage in range(num_stages)
+    ]
 
 
 def model_parameter_count(model: ModelConfig) -> int:
@@ -62,8 +80,9 @@ def model_parameter_count(model: ModelConfig) -> int:
     return stage_parameter_counts(model, 1)[0]
 
 
-def stage_footprint(model: ModelConfig, num_stages: int, stage: int, forward_cache_mb: float,
-                    device: str = "cpu") -> StageFootprint:
+def stage_footprint(
+    model: ModelConfig, num_stages: int, stage: int, forward_cache_mb: float, device: str = "cpu"
+) -> StageFootprint:
     """The footprint of ``stage`` on ``device`` (a torch device name): the optimizer steps a host copy of the
     weights off the CPU (:class:`swarm.server.runner.StageRunner`), and the weights themselves on it."""
     parameters = stage_parameter_counts(model, num_stages)[stage]
@@ -74,15 +93,21 @@ def stage_footprint(model: ModelConfig, num_stages: int, stage: int, forward_cac
     return StageFootprint(stage, parameters, compute, cache, host_bytes=optimizer + 4 * parameters)
 
 
-def expected_footprint(model: ModelConfig, num_stages: int, stage: Union[int, str],
-                       forward_cache_mb: float, device: str = "cpu") -> StageFootprint:
+def expected_footprint(
+    model: ModelConfig, num_stages: int, stage: Union[int, str], forward_cache_mb: float, device: str = "cpu"
+) -> StageFootprint:
     """The footprint of ``stage``, or with 'auto' the most that any stage needs, figure by figure (a peer
     may be given any stage, and may later move to another)."""
     if stage != "auto":
         return stage_footprint(model, num_stages, int(stage), forward_cache_mb, device)
     stages = [stage_footprint(model, num_stages, s, forward_cache_mb, device) for s in range(num_stages)]
-    return StageFootprint("auto", max(f.parameters for f in stages), max(f.state_bytes for f in stages),
-                          max(f.cache_bytes for f in stages), max(f.host_bytes for f in stages))
+    return StageFootprint(
+        "auto",
+        max(f.parameters for f in stages),
+        max(f.state_bytes for f in stages),
+        max(f.cache_bytes for f in stages),
+        max(f.host_bytes for f in stages),
+    )
 
 
 # ---- the memory a training peer needs, figure by figure, and whether its stage fits ----
@@ -134,13 +159,21 @@ class StageMemory:
         forward cache 0.3)``."""
         digits = 1 if self.total >= GB else 3  # a small stage's figures would all read 0.0
         gb = lambda size: f"{size / GB:.{digits}f}"  # noqa: E731
-        return (f"stage {self.stage} needs {gb(self.total)} GB (parameters {gb(self.parameters)}, "
-                f"master+Adam {gb(self.master_adam)}, gradients {gb(self.gradients)}, "
-                f"activations {gb(self.activations)}, forward cache {gb(self.forward_cache)})")
+        return (
+            f"stage {self.stage} needs {gb(self.total)} GB (parameters {gb(self.parameters)}, "
+            f"master+Adam {gb(self.master_adam)}, gradients {gb(self.gradients)}, "
+            f"activations {gb(self.activations)}, forward cache {gb(self.forward_cache)})"
+        )
 
 
-def activation_bytes(model: ModelConfig, num_stages: int, stage: int, batch_size: int, dtype: str = "fp32",
-                     checkpoint_activations: bool = False) -> int:
+def activation_bytes(
+    model: ModelConfig,
+    num_stages: int,
+    stage: int,
+    batch_size: int,
+    dtype: str = "fp32",
+    checkpoint_activations: bool = False,
+) -> int:
     """Bytes autograd keeps for the backward of one call of ``batch_size`` samples through ``stage``.
 
     Each block saves ``a*h + b*f`` elements per token (:data:`_SAVED_PER_LAYER`) in the compute dtype. With
@@ -166,8 +199,17 @@ def activation_bytes(model: ModelConfig, num_stages: int, stage: int, batch_size
     return tokens * per_token
 
 
-def stage_memory(model: ModelConfig, num_stages: int, stage: int, *, batch_size: int, forward_cache_mb: float,
-                 dtype: str = "fp32", checkpoint_activations: bool = False, device: str = "cpu") -> StageMemory:
+def stage_memory(
+    model: ModelConfig,
+    num_stages: int,
+    stage: int,
+    *,
+    batch_size: int,
+    forward_cache_mb: float,
+    dtype: str = "fp32",
+    checkpoint_activations: bool = False,
+    device: str = "cpu",
+) -> StageMemory:
     """What a training replica of ``stage`` needs (:class:`StageMemory`), as :class:`swarm.server.runner.StageRunner`
     allocates it: float32 weights on ``device`` (autocast adds a compute-dtype copy of each for the forward),
     float32 gradient accumulators beside them, and the optimizer's float32 state in host memory (the
@@ -179,30 +221,39 @@ def stage_memory(model: ModelConfig, num_stages: int, stage: int, *, batch_size:
     casts = 0 if dtype == "fp32" else _dtype_bytes(dtype)
     master = 0 if on_cpu else 4
     cache = 0 if stage == num_stages - 1 else int(forward_cache_mb * 2**20)
-    return StageMemory(stage, parameters * (4 + casts), parameters * (master + _OPTIMIZER_BYTES),
-                       parameters * 4 * _GRADIENT_COPIES,
-                       activation_bytes(model, num_stages, stage, batch_size, dtype, checkpoint_activations),
-                       cache, on_cpu)
+    return StageMemory(
+        stage,
+        parameters * (4 + casts),
+        parameters * (master + _OPTIMIZER_BYTES),
+        parameters * 4 * _GRADIENT_COPIES,
+        activation_bytes(model, num_stages, stage, batch_size, dtype, checkpoint_activations),
+        cache,
+        on_cpu,
+    )
 
 
-def memory_refusal(memory: StageMemory, max_memory_gb: float, device_free_bytes: Optional[int] = None
-                   ) -> Optional[str]:
+def memory_refusal(memory: StageMemory, max_memory_gb: float, device_free_bytes: Optional[int] = None) -> Optional[str]:
     """Why the stage does not fit, in one line, or None when it does: its total over ``max_memory_gb`` (0 = no
     limit), or its device part over the device's free memory (``device_free_bytes``, off the CPU)."""
     if max_memory_gb and memory.total > max_memory_gb * GB:
         return f"{memory.describe()} but --max_memory_gb is {max_memory_gb:g}"
     if device_free_bytes is not None and not memory.on_cpu and memory.device_bytes > device_free_bytes:
-        return (f"{memory.describe()}, of which {memory.device_bytes / GB:.1f} GB on the device, "
-                f"but the device has {device_free_bytes / GB:.1f} GB free")
+        return (
+            f"{memory.describe()}, of which {memory.device_bytes / GB:.1f} GB on the device, "
+            f"but the device has {device_free_bytes / GB:.1f} GB free"
+        )
     return None
 
 
-def stages_that_fit(model: ModelConfig, num_stages: int, max_memory_gb: float,
-                    device_free_bytes: Optional[int] = None, **estimate: Any) -> List[int]:
+def stages_that_fit(
+    model: ModelConfig, num_stages: int, max_memory_gb: float, device_free_bytes: Optional[int] = None, **estimate: Any
+) -> List[int]:
     """The stages whose :func:`stage_memory` (with ``estimate``'s settings) passes :func:`memory_refusal`."""
-    return [stage for stage in range(num_stages)
-            if memory_refusal(stage_memory(model, num_stages, stage, **estimate), max_memory_gb,
-                              device_free_bytes) is None]
+    return [
+        stage
+        for stage in range(num_stages)
+        if memory_refusal(stage_memory(model, num_stages, stage, **estimate), max_memory_gb, device_free_bytes) is None
+    ]
 
 
 def _dtype_bytes(dtype: str) -> int:
@@ -221,9 +272,16 @@ def device_free_bytes(device: str) -> Optional[int]:
 
 def peer_stage_memory(peer: "PeerConfig", stage: int) -> StageMemory:
     """:func:`stage_memory` of ``stage`` with a peer's settings."""
-    return stage_memory(peer.run.model, peer.run.num_stages, stage, batch_size=peer.memory_batch_samples,
-                        forward_cache_mb=peer.forward_cache_mb, dtype=peer.dtype,
-                        checkpoint_activations=peer.checkpoint_activations, device=peer.device)
+    return stage_memory(
+        peer.run.model,
+        peer.run.num_stages,
+        stage,
+        batch_size=peer.memory_batch_samples,
+        forward_cache_mb=peer.forward_cache_mb,
+        dtype=peer.dtype,
+        checkpoint_activations=peer.checkpoint_activations,
+        device=peer.device,
+    )
 
 
 class StageDoesNotFit(ValueError):
@@ -241,5 +299,8 @@ def check_peer_fits(peer: "PeerConfig", stage: int) -> None:
 def peer_fitting_stages(peer: "PeerConfig") -> List[int]:
     """The stages a peer with these settings may serve (what ``--stage auto`` chooses among)."""
     free = device_free_bytes(peer.device)
-    return [stage for stage in range(peer.run.num_stages)
-            if memory_refusal(peer_stage_memory(peer, stage), peer.max_memory_gb, free) is None]
+    return [
+        stage
+        for stage in range(peer.run.num_stages)
+        if memory_refusal(peer_stage_memory(peer, stage), peer.max_memory_gb, free) is None
+    ]

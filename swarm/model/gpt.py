@@ -102,9 +102,7 @@ class ModelConfig:
         if self.stage_layers and sum(self.stage_layers) != self.num_layers:
             raise ValueError(f"stage_layers {self.stage_layers} must add up to num_layers ({self.num_layers})")
         if self.hidden_size % self.num_heads != 0:
-            raise ValueError(
-                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
-            )
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         self._check_architecture_fields()
 
     def _check_architecture_fields(self) -> None:
@@ -117,18 +115,25 @@ class ModelConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         if self.num_heads % self.kv_heads != 0:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads}): "
-                             "each key/value head serves a whole group of query heads")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads}): "
+                "each key/value head serves a whole group of query heads"
+            )
         if self.architecture == "gpt":
             if self.kv_heads != self.num_heads:
-                raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must be 0 or num_heads ({self.num_heads}) for "
-                                 "architecture gpt: grouped-query attention is an architecture llama setting")
+                raise ValueError(
+                    f"num_kv_heads ({self.num_kv_heads}) must be 0 or num_heads ({self.num_heads}) for "
+                    "architecture gpt: grouped-query attention is an architecture llama setting"
+                )
             if self.tie_embeddings:
-                raise ValueError("tie_embeddings is an architecture llama setting: the gpt's embedding and LM head "
-                                 "are separate")
+                raise ValueError(
+                    "tie_embeddings is an architecture llama setting: the gpt's embedding and LM head are separate"
+                )
         elif self.head_dim % 2 != 0:
-            raise ValueError(f"hidden_size / num_heads ({self.head_dim}) must be even for architecture llama: "
-                             "rotary embeddings rotate pairs of dimensions")
+            raise ValueError(
+                f"hidden_size / num_heads ({self.head_dim}) must be even for architecture llama: "
+                "rotary embeddings rotate pairs of dimensions"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -210,16 +215,17 @@ def layer_ranges(num_layers: int, num_stages: int, stage_layers: Sequence[int] =
     """
     if stage_layers:
         if len(stage_layers) != num_stages or sum(stage_layers) != num_layers or min(stage_layers) < 1:
-            raise ValueError(f"stage_layers {list(stage_layers)} must give {num_stages} positive counts "
-                             f"adding up to num_layers ({num_layers})")
+            raise ValueError(
+                f"stage_layers {list(stage_layers)} must give {num_stages} positive counts "
+                f"adding up to num_layers ({num_layers})"
+            )
         starts = [sum(stage_layers[:i]) for i in range(num_stages)]
         return [(start, start + count) for start, count in zip(starts, stage_layers)]
     _require_positive_int("num_layers", num_layers)
     _require_positive_int("num_stages", num_stages)
     if num_stages > num_layers:
         raise ValueError(
-            f"num_stages ({num_stages}) must not exceed num_layers ({num_layers}): "
-            "every stage needs at least one layer"
+            f"num_stages ({num_stages}) must not exceed num_layers ({num_layers}): every stage needs at least one layer"
         )
     base, extra = divmod(num_layers, num_stages)
     ranges, start = [], 0
@@ -292,8 +298,9 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's final norm and LM head: hidden [B, T, H] -> logits [B, T, vocab]."""
 
-    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None,
-                reduction: str = "mean") -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean"
+    ) -> torch.Tensor:
         """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H], or on the last stage the mean loss
         (``reduction="none"``: the loss of every token, [B, T], which a server splits between merged requests)."""
         x = self._hidden(inputs)
@@ -314,8 +321,9 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
 
     def _require_last(self) -> None:
         if not self.is_last:
-            raise ValueError(f"stage {self.stage_index}/{self.num_stages} has no LM head: only the last stage "
-                             "computes logits")
+            raise ValueError(
+                f"stage {self.stage_index}/{self.num_stages} has no LM head: only the last stage computes logits"
+            )
 
     def _loss(self, logits: torch.Tensor, targets: Optional[torch.Tensor], reduction: str) -> torch.Tensor:
         """The mean cross-entropy (``reduction="none"``: the loss of every token, [B, T], which a server splits
@@ -364,8 +372,7 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(
-                f"{where}: {name} token ids must lie in [0, {self.config.vocab_size}), "
-                f"got values in [{low}, {high}]"
+                f"{where}: {name} token ids must lie in [0, {self.config.vocab_size}), got values in [{low}, {high}]"
             )
 
     def _check_hidden(self, hidden: torch.Tensor, where: str) -> None:
@@ -401,8 +408,10 @@ class StageModule(PipelineStage):
     def __init__(self, config: ModelConfig, stage_index: int, num_stages: int, empty: bool = False):
         super().__init__(config, stage_index, num_stages)
         if config.architecture != "gpt":
-            raise ValueError(f"StageModule builds architecture gpt, got {config.architecture!r} "
-                             "(swarm.model.stages.build_stage picks the architecture's stage)")
+            raise ValueError(
+                f"StageModule builds architecture gpt, got {config.architecture!r} "
+                "(swarm.model.stages.build_stage picks the architecture's stage)"
+            )
         with torch.device("meta"):
             if self.is_first:
                 self.token_embedding = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -467,7 +476,7 @@ class StageModule(PipelineStage):
         start, names = self.layer_range[0], {}
         for key in self.state_dict(keep_vars=True):
             if key.startswith("blocks."):
-                local, rest = key[len("blocks."):].split(".", 1)
+                local, rest = key[len("blocks.") :].split(".", 1)
                 names[key] = f"blocks.{start + int(local)}.{rest}"
             else:
                 names[key] = key

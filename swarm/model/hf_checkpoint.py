@@ -64,6 +64,7 @@ class CheckpointError(ValueError):
 
 # ---- config.json ----
 
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -74,17 +75,33 @@ def checkpoint_config(config: ModelConfig, dtype: torch.dtype = torch.float32) -
     The dtype is written both as ``torch_dtype`` (what transformers 4 reads) and ``dtype`` (transformers 5); the
     rotary base both as ``rope_theta`` and inside ``rope_parameters``, for the same reason."""
     if config.architecture == "gpt":
-        return {"architectures": ["SwarmGPT"], "model_type": _GPT_MODEL_TYPE,
-                "swarm_model_config": dataclasses.asdict(config), "torch_dtype": _dtype_name(dtype)}
+        return {
+            "architectures": ["SwarmGPT"],
+            "model_type": _GPT_MODEL_TYPE,
+            "swarm_model_config": dataclasses.asdict(config),
+            "torch_dtype": _dtype_name(dtype),
+        }
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "intermediate_size": config.ffn_size,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": config.seq_len, "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "tie_word_embeddings": config.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": 0.0, "torch_dtype": _dtype_name(dtype), "dtype": _dtype_name(dtype),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.ffn_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.seq_len,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
     }
 
 
@@ -111,8 +128,9 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
     if not isinstance(params, Mapping):
         raise CheckpointError(f"{where}: rope_parameters must be an object, got {params!r}")
     if params.get("rope_type", "default") != "default":
-        raise CheckpointError(f"{where}: rope_parameters.rope_type {params['rope_type']!r} is not supported "
-                              "(only default RoPE)")
+        raise CheckpointError(
+            f"{where}: rope_parameters.rope_type {params['rope_type']!r} is not supported (only default RoPE)"
+        )
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if factor not in (None, 1, 1.0):
         raise CheckpointError(f"{where}: partial_rotary_factor {factor!r} is not supported (RoPE on every dimension)")
@@ -122,25 +140,36 @@ def _rope_theta(hf: Mapping[str, Any], where: str) -> float:
 def _check_llama_features(hf: Mapping[str, Any], where: str) -> None:
     """Refuse settings our Llama does not compute, rather than load weights into a different network."""
     if hf.get("model_type") != "llama":
-        raise CheckpointError(f"{where}: model_type {hf.get('model_type')!r} is not supported: only llama "
-                              f"(and {_GPT_MODEL_TYPE}, this package's own GPT export)")
+        raise CheckpointError(
+            f"{where}: model_type {hf.get('model_type')!r} is not supported: only llama "
+            f"(and {_GPT_MODEL_TYPE}, this package's own GPT export)"
+        )
     architectures = hf.get("architectures") or ["LlamaForCausalLM"]
     if "LlamaForCausalLM" not in architectures:
-        raise CheckpointError(f"{where}: architectures {architectures!r} has no LlamaForCausalLM "
-                              "(a language-model head)")
+        raise CheckpointError(
+            f"{where}: architectures {architectures!r} has no LlamaForCausalLM (a language-model head)"
+        )
     refused = {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu"}
     for key, supported in refused.items():
         if hf.get(key, supported) != supported:
             raise CheckpointError(f"{where}: {key} {hf[key]!r} is not supported (only {supported!r})")
     if hf.get("attention_dropout") not in (None, 0, 0.0):
-        raise CheckpointError(f"{where}: attention_dropout {hf['attention_dropout']!r} is not supported: stages have "
-                              "no dropout (the pipeline must compute what one process computes)")
+        raise CheckpointError(
+            f"{where}: attention_dropout {hf['attention_dropout']!r} is not supported: stages have "
+            "no dropout (the pipeline must compute what one process computes)"
+        )
     heads, hidden = hf.get("num_attention_heads"), hf.get("hidden_size")
     head_dim = hf.get("head_dim")
-    if head_dim is not None and isinstance(heads, int) and isinstance(hidden, int) and heads > 0 \
-            and head_dim * heads != hidden:
-        raise CheckpointError(f"{where}: head_dim {head_dim} times num_attention_heads {heads} must equal "
-                              f"hidden_size {hidden}")
+    if (
+        head_dim is not None
+        and isinstance(heads, int)
+        and isinstance(hidden, int)
+        and heads > 0
+        and head_dim * heads != hidden
+    ):
+        raise CheckpointError(
+            f"{where}: head_dim {head_dim} times num_attention_heads {heads} must equal hidden_size {hidden}"
+        )
 
 
 def config_from_hf(path: PathLike, seq_len: Optional[int] = None) -> ModelConfig:
@@ -155,19 +184,29 @@ def config_from_hf(path: PathLike, seq_len: Optional[int] = None) -> ModelConfig
             fields["seq_len"] = seq_len
         return _model_config(fields, where)
     _check_llama_features(hf, where)
-    missing = [key for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if key not in hf]
+    missing = [
+        key
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        if key not in hf
+    ]
     if missing:
         raise CheckpointError(f"{where}: missing {', '.join(missing)}")
-    return _model_config({
-        "architecture": "llama", "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
-        "intermediate_size": hf["intermediate_size"], "num_layers": hf["num_hidden_layers"],
-        "num_heads": hf["num_attention_heads"],
-        "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        "seq_len": seq_len if seq_len is not None else hf.get("max_position_embeddings", 2048),
-        "rope_theta": _rope_theta(hf, where), "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "tie_embeddings": hf.get("tie_word_embeddings", False),
-    }, where)
+    return _model_config(
+        {
+            "architecture": "llama",
+            "vocab_size": hf["vocab_size"],
+            "hidden_size": hf["hidden_size"],
+            "intermediate_size": hf["intermediate_size"],
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": hf["num_attention_heads"],
+            "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "seq_len": seq_len if seq_len is not None else hf.get("max_position_embeddings", 2048),
+            "rope_theta": _rope_theta(hf, where),
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "tie_embeddings": hf.get("tie_word_embeddings", False),
+        },
+        where,
+    )
 
 
 def _model_config(fields: Mapping[str, Any], where: str) -> ModelConfig:
@@ -190,20 +229,28 @@ def _check_config_matches(path: Path, config: ModelConfig) -> None:
 
     Shapes alone would miss a different rope_theta or rms_norm_eps, which load fine and compute another model."""
     theirs = config_from_hf(path, seq_len=config.seq_len if config.architecture == "llama" else None)
-    pairs = [(name, getattr(theirs, name), getattr(config, name)) for name in
-             (f.name for f in dataclasses.fields(ModelConfig)) if name not in _LAYOUT_FIELDS]
-    pairs += [("num_kv_heads", theirs.kv_heads, config.kv_heads),
-              ("intermediate_size", theirs.ffn_size, config.ffn_size)]
+    pairs = [
+        (name, getattr(theirs, name), getattr(config, name))
+        for name in (f.name for f in dataclasses.fields(ModelConfig))
+        if name not in _LAYOUT_FIELDS
+    ]
+    pairs += [
+        ("num_kv_heads", theirs.kv_heads, config.kv_heads),
+        ("intermediate_size", theirs.ffn_size, config.ffn_size),
+    ]
     for name, expected, actual in pairs:
         if expected != actual:
-            raise CheckpointError(f"{path / CONFIG_FILE}: the checkpoint has {name} {expected!r}, the run's model "
-                                  f"{actual!r}")
+            raise CheckpointError(
+                f"{path / CONFIG_FILE}: the checkpoint has {name} {expected!r}, the run's model {actual!r}"
+            )
 
 
 # ---- export ----
 
-def _gather_stage(config: ModelConfig, stage_index: int, num_stages: int,
-                  state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+
+def _gather_stage(
+    config: ModelConfig, stage_index: int, num_stages: int, state: Mapping[str, torch.Tensor]
+) -> Dict[str, torch.Tensor]:
     """Stage ``stage_index``'s tensors under their checkpoint names, checked against the stage's names and shapes."""
     skeleton = stage_skeleton(config, stage_index, num_stages)
     names, shapes = skeleton.checkpoint_names(), {k: v.shape for k, v in skeleton.state_dict(keep_vars=True).items()}
@@ -252,16 +299,30 @@ def _plan_shards(sizes: Sequence[Tuple[str, int]], max_shard_bytes: int) -> List
 def _refuse_existing(out_dir: Path) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir} exists and is not a directory")
-    existing = [p.name for p in out_dir.iterdir() if p.name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
-                or (p.name.startswith("model-") and p.name.endswith(".safetensors"))] if out_dir.exists() else []
+    existing = (
+        [
+            p.name
+            for p in out_dir.iterdir()
+            if p.name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
+            or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
+        ]
+        if out_dir.exists()
+        else []
+    )
     if existing:
-        raise CheckpointError(f"{out_dir} already holds a checkpoint ({sorted(existing)[0]}): export into a new "
-                              "directory, so that no stale shard is mistaken for part of this one")
+        raise CheckpointError(
+            f"{out_dir} already holds a checkpoint ({sorted(existing)[0]}): export into a new "
+            "directory, so that no stale shard is mistaken for part of this one"
+        )
 
 
-def export_checkpoint(config: ModelConfig, stage_state_dicts: Sequence[Mapping[str, torch.Tensor]],
-                      out_dir: PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      dtype: Optional[torch.dtype] = None) -> List[Path]:
+def export_checkpoint(
+    config: ModelConfig,
+    stage_state_dicts: Sequence[Mapping[str, torch.Tensor]],
+    out_dir: PathLike,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtype: Optional[torch.dtype] = None,
+) -> List[Path]:
     """Write the model whose stage ``k`` holds ``stage_state_dicts[k]`` (keys as in the stage's ``state_dict()``, or
     its ``named_parameters()``) to ``out_dir``; returns the files written. ``dtype`` casts every tensor (e.g.
     torch.bfloat16 for release); None keeps each tensor's own, which must then be the same for all."""
@@ -282,15 +343,23 @@ def export_checkpoint(config: ModelConfig, stage_state_dicts: Sequence[Mapping[s
     out.mkdir(parents=True, exist_ok=True)
     element = torch.empty((), dtype=dtype).element_size()
     shards = _plan_shards([(name, t.numel() * element) for name, t in tensors.items()], max_shard_bytes)
-    files = [SINGLE_FILE] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for file, names in zip(files, shards):  # one shard's copies in memory at a time
-        save_file({n: tensors[n].to("cpu", dtype).contiguous().clone() for n in names}, str(out / file),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: tensors[n].to("cpu", dtype).contiguous().clone() for n in names},
+            str(out / file),
+            metadata={"format": "pt"},
+        )
     written = [out / file for file in files]
     if len(shards) > 1:
-        index_json = {"metadata": {"total_size": sum(t.numel() * element for t in tensors.values())},
-                 "weight_map": {n: file for file, names in zip(files, shards) for n in names}}
+        index_json = {
+            "metadata": {"total_size": sum(t.numel() * element for t in tensors.values())},
+            "weight_map": {n: file for file, names in zip(files, shards) for n in names},
+        }
         (out / INDEX_FILE).write_text(json.dumps(index_json, indent=2, sort_keys=True))
         written.append(out / INDEX_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(checkpoint_config(config, dtype), indent=2, sort_keys=True))
@@ -298,6 +367,7 @@ def export_checkpoint(config: ModelConfig, stage_state_dicts: Sequence[Mapping[s
 
 
 # ---- import ----
+
 
 def _weight_map(path: Path) -> Dict[str, str]:
     """Tensor name -> file within ``path``, from the index, or from the single file's header."""
@@ -308,8 +378,9 @@ def _weight_map(path: Path) -> Dict[str, str]:
             raise CheckpointError(f"{path / INDEX_FILE}: weight_map must map tensor names to file names")
         for file in set(weight_map.values()):
             if Path(file).name != file or not file.endswith(".safetensors"):
-                raise CheckpointError(f"{path / INDEX_FILE}: {file!r} is not a .safetensors file in the checkpoint "
-                                      "directory")
+                raise CheckpointError(
+                    f"{path / INDEX_FILE}: {file!r} is not a .safetensors file in the checkpoint directory"
+                )
         return dict(weight_map)
     if (path / SINGLE_FILE).is_file():
         with safe_open(str(path / SINGLE_FILE), framework="pt") as f:  # reads the header only
@@ -317,8 +388,9 @@ def _weight_map(path: Path) -> Dict[str, str]:
     raise CheckpointError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def read_stage_tensors(path: PathLike, config: ModelConfig, stage_index: int,
-                       num_stages: int) -> Dict[str, torch.Tensor]:
+def read_stage_tensors(
+    path: PathLike, config: ModelConfig, stage_index: int, num_stages: int
+) -> Dict[str, torch.Tensor]:
     """Stage ``stage_index``'s tensors from the checkpoint in ``path``, keyed as the stage's ``state_dict()`` and in
     its dtype (float32), ready for ``load_state_dict``. Reads no other tensor; checks the config, every name,
     shape and value first."""
@@ -356,8 +428,7 @@ def _read_tensor(handle: Any, name: str, shape: torch.Size, where: str) -> torch
     return _checked_tensor(handle.get_tensor(name), shape, where)
 
 
-def load_stage_from_checkpoint(path: PathLike, config: ModelConfig, stage_index: int,
-                               num_stages: int) -> PipelineStage:
+def load_stage_from_checkpoint(path: PathLike, config: ModelConfig, stage_index: int, num_stages: int) -> PipelineStage:
     """Stage ``stage_index`` of ``num_stages`` with its weights from the checkpoint in ``path`` (see
     :func:`read_stage_tensors`), on the CPU; nothing is randomly initialised."""
     tensors = read_stage_tensors(path, config, stage_index, num_stages)
@@ -369,6 +440,7 @@ def load_stage_from_checkpoint(path: PathLike, config: ModelConfig, stage_index:
 
 # ---- hashing ----
 
+
 def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """SHA-256 (hex) over named tensors, in sorted name order: for each, a length-prefixed JSON header with its
     name, dtype and shape, then its bytes (little-endian, as every platform torch runs on stores them).
@@ -379,8 +451,11 @@ def tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         tensor = tensor.detach().to("cpu").contiguous()
-        header = json.dumps({"name": name, "dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)},
-                            sort_keys=True, separators=(",", ":")).encode()
+        header = json.dumps(
+            {"name": name, "dtype": _dtype_name(tensor.dtype), "shape": list(tensor.shape)},
+            sort_keys=True,
+            separators=(",", ":"),
+        ).encode()
         data = tensor.reshape(-1).view(torch.uint8).numpy().data
         for part, size in ((header, len(header)), (data, int(data.nbytes))):
             digest.update(size.to_bytes(8, "little"))

@@ -57,8 +57,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary_tables(length: int, head_dim: int, theta: float, device: torch.device,
-                  dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(
+    length: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [length, head_dim] of the rotation angles ``position / theta ** (2j / head_dim)``.
 
     Computed per call (a few thousand values) rather than cached in a buffer, so that a stage built on
@@ -109,8 +110,12 @@ class GroupedQueryAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         groups = self.num_heads // self.kv_heads
         if groups > 1:  # repeated by expand + reshape (no copy until SDPA needs one); works under vmap
-            k, v = (t[:, :, None].expand(batch, self.kv_heads, groups, length, self.head_dim)
-                    .reshape(batch, self.num_heads, length, self.head_dim) for t in (k, v))
+            k, v = (
+                t[:, :, None]
+                .expand(batch, self.kv_heads, groups, length, self.head_dim)
+                .reshape(batch, self.num_heads, length, self.head_dim)
+                for t in (k, v)
+            )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
@@ -154,12 +159,16 @@ class LlamaStage(PipelineStage):
     def __init__(self, config: ModelConfig, stage_index: int, num_stages: int, empty: bool = False):
         super().__init__(config, stage_index, num_stages)
         if config.architecture != "llama":
-            raise ValueError(f"LlamaStage builds architecture llama, got {config.architecture!r} "
-                             "(swarm.model.stages.build_stage picks the architecture's stage)")
+            raise ValueError(
+                f"LlamaStage builds architecture llama, got {config.architecture!r} "
+                "(swarm.model.stages.build_stage picks the architecture's stage)"
+            )
         if config.tie_embeddings and num_stages > 1:
-            raise ValueError(f"tie_embeddings needs the token embedding and the LM head on one peer, but the model "
-                             f"is cut into {num_stages} stages (the first and last would each step their own copy): "
-                             "use num_stages 1 or tie_embeddings false")
+            raise ValueError(
+                f"tie_embeddings needs the token embedding and the LM head on one peer, but the model "
+                f"is cut into {num_stages} stages (the first and last would each step their own copy): "
+                "use num_stages 1 or tie_embeddings false"
+            )
         with torch.device("meta"):
             self.model = _Trunk(config, self.layer_range, self.is_first, self.is_last)
             if self.is_last:
@@ -184,9 +193,15 @@ class LlamaStage(PipelineStage):
             layer = cast(DecoderLayer, module)
             gen = seeded_generator(seed, f"block.{name}")
             attn, mlp = layer.self_attn, layer.mlp
-            for linear, std in ((attn.q_proj, _INIT_STD), (attn.k_proj, _INIT_STD), (attn.v_proj, _INIT_STD),
-                                (attn.o_proj, residual_std), (mlp.gate_proj, _INIT_STD), (mlp.up_proj, _INIT_STD),
-                                (mlp.down_proj, residual_std)):
+            for linear, std in (
+                (attn.q_proj, _INIT_STD),
+                (attn.k_proj, _INIT_STD),
+                (attn.v_proj, _INIT_STD),
+                (attn.o_proj, residual_std),
+                (mlp.gate_proj, _INIT_STD),
+                (mlp.up_proj, _INIT_STD),
+                (mlp.down_proj, residual_std),
+            ):
                 linear.weight.normal_(0.0, std, generator=gen)
             layer.input_layernorm.weight.fill_(1.0)
             layer.post_attention_layernorm.weight.fill_(1.0)

@@ -25,9 +25,25 @@ from typing import Iterable, List, Optional, Sequence
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
-__all__ = ["MAX_MADDRS", "MAX_MADDR_CHARS", "host_of", "tcp_port", "address_peer_id", "is_ip", "is_wildcard",
-           "is_loopback", "is_local_only", "announceable", "listens_on_any", "dialable", "circuit_maddr",
-           "is_circuit", "strip_peer_id", "listens_on_loopback_only", "ip_hosts"]
+__all__ = [
+    "MAX_MADDRS",
+    "MAX_MADDR_CHARS",
+    "host_of",
+    "tcp_port",
+    "address_peer_id",
+    "is_ip",
+    "is_wildcard",
+    "is_loopback",
+    "is_local_only",
+    "announceable",
+    "listens_on_any",
+    "dialable",
+    "circuit_maddr",
+    "is_circuit",
+    "strip_peer_id",
+    "listens_on_loopback_only",
+    "ip_hosts",
+]
 
 MAX_MADDRS = 4  # addresses one record carries
 MAX_MADDR_CHARS = 96  # one address, as text: /ip6/<39 chars>/tcp/65535 fits
@@ -123,8 +139,9 @@ def circuit_maddr(relay: str, relay_peer_id: str) -> Multiaddr:
     which p2pd refuses inside an address ("length greater than remaining number of bytes in buffer");
     p2pd expects the bare multihash of the peer id."""
     peer_id = PeerID.from_base58(relay_peer_id).to_bytes()
-    return Multiaddr(Multiaddr(relay).to_bytes() + _varint(_P2P_CODE) + _varint(len(peer_id)) + peer_id
-                     + _varint(_CIRCUIT_CODE))
+    return Multiaddr(
+        Multiaddr(relay).to_bytes() + _varint(_P2P_CODE) + _varint(len(peer_id)) + peer_id + _varint(_CIRCUIT_CODE)
+    )
 
 
 def is_circuit(maddr: Multiaddr) -> bool:

@@ -31,8 +31,20 @@ import torch
 
 from swarm.model.finite import all_finite
 
-__all__ = ["CODECS", "DEFAULT_BLOCK_SIZE", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE", "CompressionError", "Compressed",
-           "check_codec", "check_block_size", "compress", "decompress", "error_bound", "num_blocks"]
+__all__ = [
+    "CODECS",
+    "DEFAULT_BLOCK_SIZE",
+    "MIN_BLOCK_SIZE",
+    "MAX_BLOCK_SIZE",
+    "CompressionError",
+    "Compressed",
+    "check_codec",
+    "check_block_size",
+    "compress",
+    "decompress",
+    "error_bound",
+    "num_blocks",
+]
 
 CODECS = ("none", "fp16", "int8")
 DEFAULT_BLOCK_SIZE = 256
@@ -120,8 +132,10 @@ def _check_lengths(c: Compressed) -> None:
         raise CompressionError(f"{c.codec} data of shape {list(c.shape)} needs {data_bytes} bytes, got {len(c.data)}")
     scale_bytes = 4 * num_blocks(c.numel, c.block_size) if c.codec == "int8" else 0
     if len(c.scales) != scale_bytes:
-        raise CompressionError(f"{c.codec} scales of {c.numel} elements in blocks of {c.block_size} need "
-                               f"{scale_bytes} bytes, got {len(c.scales)}")
+        raise CompressionError(
+            f"{c.codec} scales of {c.numel} elements in blocks of {c.block_size} need "
+            f"{scale_bytes} bytes, got {len(c.scales)}"
+        )
 
 
 def _to_bytes(tensor: torch.Tensor) -> bytes:

@@ -35,7 +35,6 @@ def is_routing_failure(error: BaseException) -> bool:
     return any(marker in text for marker in _ROUTING_FAILURES)
 
 
-
 class AddressBook:
     """Where peers said they can be reached: peer id -> announced multiaddrs, for the whole process.
 

@@ -45,8 +45,17 @@ from swarm.net.offload import run_sized
 from swarm.net.addresses import dialable, ip_hosts, is_circuit, is_wildcard
 from swarm.net.dialing import address_book
 
-__all__ = ["DIRECT_SESSION_METHOD", "DirectServer", "DirectClient", "DirectBroken", "OversizedReply",
-           "direct_client_for", "listen_hosts", "connection_key", "Sealer"]
+__all__ = [
+    "DIRECT_SESSION_METHOD",
+    "DirectServer",
+    "DirectClient",
+    "DirectBroken",
+    "OversizedReply",
+    "direct_client_for",
+    "listen_hosts",
+    "connection_key",
+    "Sealer",
+]
 
 logger = get_logger(__name__)
 
@@ -112,6 +121,7 @@ def listen_hosts(host_maddrs: Iterable[str]) -> List[str]:
 
 
 # ---- serving ----
+
 
 @dataclass
 class _Session:
@@ -187,8 +197,9 @@ class DirectServer:
             self._writers.discard(writer)
             writer.close()
 
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sealer: Sealer,
-                         caller: str) -> bool:
+    async def _serve_one(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sealer: Sealer, caller: str
+    ) -> bool:
         """Answer the next request on the connection; False when the connection is to be closed."""
         header = await asyncio.wait_for(reader.readexactly(FRAME_HEADER.size), IDLE_TIMEOUT_S)
         method_bytes, sealed_size = FRAME_HEADER.unpack(header)
@@ -223,6 +234,7 @@ class DirectServer:
 
 async def _skip(reader: asyncio.StreamReader, size: int, timeout: float) -> None:
     """Read and drop ``size`` bytes, a chunk at a time."""
+
     async def skip() -> None:
         left = size
         while left:
@@ -232,6 +244,7 @@ async def _skip(reader: asyncio.StreamReader, size: int, timeout: float) -> None
 
 
 # ---- calling ----
+
 
 @dataclass
 class _Connection:
@@ -251,6 +264,7 @@ class _Connection:
 @dataclass
 class _Channel:
     """What a caller holds for one peer: a session and where the peer's port answered."""
+
     session_id: bytes
     key: bytes
     host: str
@@ -313,8 +327,14 @@ class DirectClient:
         try:
             offer = await self.ask(peer_id)
             session_id, key, port = offer.get("session"), offer.get("key"), offer.get("port")
-            if not (isinstance(session_id, bytes) and len(session_id) == SESSION_ID_BYTES and isinstance(key, bytes)
-                    and len(key) == KEY_BYTES and isinstance(port, int) and 0 < port < 65536):
+            if not (
+                isinstance(session_id, bytes)
+                and len(session_id) == SESSION_ID_BYTES
+                and isinstance(key, bytes)
+                and len(key) == KEY_BYTES
+                and isinstance(port, int)
+                and 0 < port < 65536
+            ):
                 raise ValueError(f"malformed session offer with keys {sorted(offer)[:8]}")
         except Exception as e:  # direct transfers off there, an old peer, a lie: p2pd carries its calls
             self._retry_at[peer_id] = time.monotonic() + UNREACHABLE_RETRY_S
@@ -333,8 +353,9 @@ class DirectClient:
             logger.info(f"calls to {peer_id} go straight to {host}:{port}, around p2pd")
             return
         self._retry_at[peer_id] = time.monotonic() + UNREACHABLE_RETRY_S
-        logger.info(f"peer {peer_id} cannot be reached on its direct port {port} (tried {hosts}); its calls "
-                    f"go through p2pd")
+        logger.info(
+            f"peer {peer_id} cannot be reached on its direct port {port} (tried {hosts}); its calls go through p2pd"
+        )
 
     async def _hosts(self, peer_id: str) -> List[str]:
         """Where to try the peer's port: the hosts p2pd is connected to it at, then those it announces."""

@@ -45,8 +45,9 @@ def _fixed(host_maddrs: Sequence[str], free_port: Callable[[str], int]) -> List[
     return [_with_port(m, free_port(m)) if tcp_port(m) == 0 else m for m in host_maddrs]
 
 
-def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
-                  free_port: Callable[[str], int] = free_tcp_port) -> Tuple[List[str], List[str]]:
+def resolve_ports(
+    host_maddrs: Sequence[str], announce_maddrs: Sequence[str], free_port: Callable[[str], int] = free_tcp_port
+) -> Tuple[List[str], List[str]]:
     """Listen and announce addresses with ``/tcp/0`` in an announced address made concrete: there it means
     "the port this process listens on", which p2pd cannot announce (hivemind refuses port 0 there). A listen
     address on port 0 gets a port from ``free_port`` first, so that both name the same one. Without port 0
@@ -57,9 +58,11 @@ def resolve_ports(host_maddrs: Sequence[str], announce_maddrs: Sequence[str],
     host = _fixed(host, free_port)
     ports = {port for port in map(tcp_port, host) if port is not None}
     if len(ports) != 1:
-        raise ValueError(f"announce_maddrs {announce} use port 0 (the port this process listens on), but "
-                         f"host_maddrs {list(host_maddrs)} listen on {len(ports) or 'no'} TCP ports: "
-                         f"name the port to announce")
+        raise ValueError(
+            f"announce_maddrs {announce} use port 0 (the port this process listens on), but "
+            f"host_maddrs {list(host_maddrs)} listen on {len(ports) or 'no'} TCP ports: "
+            f"name the port to announce"
+        )
     port = ports.pop()
     return host, [_with_port(m, port) if tcp_port(m) == 0 else m for m in announce]
 

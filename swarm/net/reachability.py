@@ -24,12 +24,33 @@ from hivemind.utils import get_logger
 from hivemind.utils.multiaddr import Multiaddr
 
 from swarm.hivemind_private import daemon_connect
-from swarm.net.addresses import (MAX_MADDRS, MAX_MADDR_CHARS, announceable, dialable, host_of, is_circuit, is_loopback,
-                                listens_on_loopback_only, address_peer_id, tcp_port)
+from swarm.net.addresses import (
+    MAX_MADDRS,
+    MAX_MADDR_CHARS,
+    announceable,
+    dialable,
+    host_of,
+    is_circuit,
+    is_loopback,
+    listens_on_loopback_only,
+    address_peer_id,
+    tcp_port,
+)
 
-__all__ = ["DIAL_BACK_METHOD", "DialBackReport", "Verdict", "decide", "needs_check", "parse_report",
-           "dial_back_handler", "dial_back", "check_reachability", "relay_addresses", "relayed_options",
-           "RELAY_SERVICE_OPTIONS"]
+__all__ = [
+    "DIAL_BACK_METHOD",
+    "DialBackReport",
+    "Verdict",
+    "decide",
+    "needs_check",
+    "parse_report",
+    "dial_back_handler",
+    "dial_back",
+    "check_reachability",
+    "relay_addresses",
+    "relayed_options",
+    "RELAY_SERVICE_OPTIONS",
+]
 
 logger = get_logger(__name__)
 
@@ -80,43 +101,67 @@ def _ports(maddrs: Sequence[str]) -> Tuple[int, ...]:
     return tuple(sorted({port for port in map(tcp_port, maddrs) if port}))
 
 
-def decide(announced: Sequence[str], host_maddrs: Sequence[str], report: Optional[DialBackReport],
-           error: str = "") -> Verdict:
+def decide(
+    announced: Sequence[str], host_maddrs: Sequence[str], report: Optional[DialBackReport], error: str = ""
+) -> Verdict:
     """What to tell the user about whether other machines can reach this process, and whether to serve
     through a relay, from the addresses it announces (relay addresses excluded), those it listens on, and
     a helper's dial-back ``report`` (None if no helper answered; ``error`` says why)."""
     if not needs_check(host_maddrs):
-        return Verdict("local", f"listening on loopback only ({', '.join(host_maddrs)}): only processes on this "
-                                f"machine can reach it; to serve other machines listen with "
-                                f"--host_maddrs /ip4/0.0.0.0/tcp/PORT")
+        return Verdict(
+            "local",
+            f"listening on loopback only ({', '.join(host_maddrs)}): only processes on this "
+            f"machine can reach it; to serve other machines listen with "
+            f"--host_maddrs /ip4/0.0.0.0/tcp/PORT",
+        )
     fixed = all(tcp_port(m) for m in host_maddrs if "/tcp/" in str(m))
     ports = _ports(host_maddrs) or _ports(announced)
     if fixed and ports:
-        open_hint = (f"open TCP port {', '.join(map(str, ports))} to this machine (forward it on your router or "
-                     f"firewall) and pass --announce_maddrs /ip4/<your public IP>/tcp/{ports[0]}")
+        open_hint = (
+            f"open TCP port {', '.join(map(str, ports))} to this machine (forward it on your router or "
+            f"firewall) and pass --announce_maddrs /ip4/<your public IP>/tcp/{ports[0]}"
+        )
     else:
         got = f"; this time it got port {', '.join(map(str, ports))}, a new one at every start" if ports else ""
-        open_hint = (f"listen on a fixed port (--host_maddrs /ip4/0.0.0.0/tcp/PORT{got}), open it to this machine "
-                     f"(forward it on your router or firewall) and announce it "
-                     f"(--announce_maddrs /ip4/<your public IP>/tcp/PORT)")
+        open_hint = (
+            f"listen on a fixed port (--host_maddrs /ip4/0.0.0.0/tcp/PORT{got}), open it to this machine "
+            f"(forward it on your router or firewall) and announce it "
+            f"(--announce_maddrs /ip4/<your public IP>/tcp/PORT)"
+        )
     if not announced:
-        return Verdict("unreachable", f"NOT reachable from other machines: it has no address others could dial "
-                                      f"(loopback and container-bridge addresses are never announced); {open_hint}. "
-                                      f"Serving through a relay meanwhile (slower).",
-                       ports_to_open=ports, use_relay=True)
+        return Verdict(
+            "unreachable",
+            f"NOT reachable from other machines: it has no address others could dial "
+            f"(loopback and container-bridge addresses are never announced); {open_hint}. "
+            f"Serving through a relay meanwhile (slower).",
+            ports_to_open=ports,
+            use_relay=True,
+        )
     if report is None:
-        return Verdict("unknown", f"could not check whether other machines can reach {', '.join(announced)}: "
-                                  f"{error or 'no peer of the run answered'}", addresses=tuple(announced))
+        return Verdict(
+            "unknown",
+            f"could not check whether other machines can reach {', '.join(announced)}: "
+            f"{error or 'no peer of the run answered'}",
+            addresses=tuple(announced),
+        )
     if report.reachable:
         failed = [a for a in announced if a not in report.reachable]
         extra = f" (not at {', '.join(failed)})" if failed else ""
-        return Verdict("reachable", f"reachable from other machines: {report.helper} connected to it at "
-                                    f"{', '.join(report.reachable)}{extra}", addresses=tuple(report.reachable))
+        return Verdict(
+            "reachable",
+            f"reachable from other machines: {report.helper} connected to it at {', '.join(report.reachable)}{extra}",
+            addresses=tuple(report.reachable),
+        )
     reasons = "; ".join(f"{a}: {report.failed.get(a, 'no answer')}" for a in announced)
-    return Verdict("unreachable", f"NOT reachable from other machines: {report.helper} could not connect to it "
-                                  f"({reasons}). To serve directly, {open_hint}. Serving through a relay "
-                                  f"meanwhile (slower).", addresses=tuple(announced), ports_to_open=ports,
-                   use_relay=True)
+    return Verdict(
+        "unreachable",
+        f"NOT reachable from other machines: {report.helper} could not connect to it "
+        f"({reasons}). To serve directly, {open_hint}. Serving through a relay "
+        f"meanwhile (slower).",
+        addresses=tuple(announced),
+        ports_to_open=ports,
+        use_relay=True,
+    )
 
 
 def parse_report(helper: str, reply: Mapping[str, Any], asked: Sequence[str]) -> DialBackReport:
@@ -125,11 +170,15 @@ def parse_report(helper: str, reply: Mapping[str, Any], asked: Sequence[str]) ->
     if not isinstance(reachable, list) or not isinstance(failed, dict):
         raise ValueError(f"malformed dial-back reply from {helper}: {sorted(reply)[:8]}")
     asked = list(asked)
-    return DialBackReport(helper, tuple(a for a in asked if a in reachable),
-                          {a: str(failed[a])[:MAX_REASON_CHARS] for a in asked if a in failed and a not in reachable})
+    return DialBackReport(
+        helper,
+        tuple(a for a in asked if a in reachable),
+        {a: str(failed[a])[:MAX_REASON_CHARS] for a in asked if a in failed and a not in reachable},
+    )
 
 
 # ---- the helper's side ----
+
 
 def _asked_addresses(message: Mapping[str, Any]) -> List[str]:
     maddrs = message.get("maddrs")
@@ -165,8 +214,12 @@ async def dial_back(peer_id: str, maddrs: Sequence[str], dial_timeout_s: float =
             await asyncio.wait_for(daemon_connect(p2p, target, [dialable([t])[0] for t in asked]), dial_timeout_s)
         except Exception as e:  # refused, unroutable, timed out, another peer id answered
             return {"reachable": [], "failed": {**failed, **{text: _reason(text, e, dial_timeout_s) for text in asked}}}
-        used = {str(addr) for info in await asyncio.wait_for(p2p.list_peers(), dial_timeout_s)
-                if info.peer_id == target for addr in info.addrs}
+        used = {
+            str(addr)
+            for info in await asyncio.wait_for(p2p.list_peers(), dial_timeout_s)
+            if info.peer_id == target
+            for addr in info.addrs
+        }
         reachable = [text for text in asked if str(dialable([text])[0]) in used] or asked[:1]
         return {"reachable": reachable, "failed": failed}
     finally:
@@ -195,8 +248,10 @@ def dial_back_handler():
 
 # ---- the caller's side ----
 
-async def check_reachability(p2p: P2P, helpers: Sequence[str],
-                             announced: Sequence[str]) -> Tuple[Optional[DialBackReport], str]:
+
+async def check_reachability(
+    p2p: P2P, helpers: Sequence[str], announced: Sequence[str]
+) -> Tuple[Optional[DialBackReport], str]:
     """Ask the peers at ``helpers`` (multiaddrs ending in /p2p/<id>), one after the other, to dial ``announced``
     back; the first answer's report, or (None, why nobody answered)."""
     from swarm.net.rpc import RemoteError, call_peer
@@ -206,8 +261,13 @@ async def check_reachability(p2p: P2P, helpers: Sequence[str],
     for helper in candidates:
         for attempt in range(BUSY_RETRIES + 1):
             try:
-                reply = await call_peer(p2p, PeerID.from_base58(helper), DIAL_BACK_METHOD,
-                                        {"maddrs": list(announced)}, timeout=CHECK_TIMEOUT_S)
+                reply = await call_peer(
+                    p2p,
+                    PeerID.from_base58(helper),
+                    DIAL_BACK_METHOD,
+                    {"maddrs": list(announced)},
+                    timeout=CHECK_TIMEOUT_S,
+                )
                 return parse_report(helper, reply, announced), ""
             except RemoteError as e:
                 if e.kind == "busy" and attempt < BUSY_RETRIES:
@@ -220,8 +280,9 @@ async def check_reachability(p2p: P2P, helpers: Sequence[str],
     return None, "; ".join(errors) if errors else "no peer of the run to ask (no --initial_peers)"
 
 
-async def own_verdict(p2p: P2P, host_maddrs: Sequence[str], announced: Sequence[str],
-                      helpers: Sequence[str]) -> Verdict:
+async def own_verdict(
+    p2p: P2P, host_maddrs: Sequence[str], announced: Sequence[str], helpers: Sequence[str]
+) -> Verdict:
     """Check (when it means anything) and decide."""
     direct = [a for a in announced if not is_circuit(Multiaddr(a))]
     if not needs_check(host_maddrs) or not direct:
@@ -231,6 +292,7 @@ async def own_verdict(p2p: P2P, host_maddrs: Sequence[str], announced: Sequence[
 
 
 # ---- relaying ----
+
 
 def relay_addresses(relays: Sequence[str]) -> List[str]:
     """The addresses a relayed peer announces: ``<relay>/p2p-circuit`` for each relay multiaddr (with its
@@ -243,5 +305,10 @@ def relayed_options(relays: Sequence[str]) -> Dict[str, Any]:
     """p2pd settings of a peer that others cannot reach: reserve a slot at ``relays`` so that they reach it
     through them, and never wait for AutoNAT to find out what the dial-back check already did. The identity
     is not checked for being in use: this peer's previous p2pd, which had it, just stopped."""
-    return {"use_auto_relay": True, "use_relay": True, "force_reachability": "private",
-            "trusted_relays": list(relays), "check_if_identity_free": False}
+    return {
+        "use_auto_relay": True,
+        "use_relay": True,
+        "force_reachability": "private",
+        "trusted_relays": list(relays),
+        "check_if_identity_free": False,
+    }

@@ -54,15 +54,32 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
 from swarm.net.compression import DEFAULT_BLOCK_SIZE, CompressionError, check_block_size, check_codec
-from swarm.net.direct import (DIRECT_SESSION_METHOD, SESSION_TIMEOUT_S, DirectBroken, DirectClient, OversizedReply,
-                          direct_client_for)
+from swarm.net.direct import (
+    DIRECT_SESSION_METHOD,
+    SESSION_TIMEOUT_S,
+    DirectBroken,
+    DirectClient,
+    OversizedReply,
+    direct_client_for,
+)
 from swarm.metrics import count_rpc_bytes, method_label
 from swarm.net.offload import run_sized
 from swarm.net.dialing import dialer_for, is_routing_failure
 from swarm.net.wire import MAX_MESSAGE_BYTES, WireError, decode, encode, payload_size_hint
 
-__all__ = ["RemoteError", "RPCServicer", "CallerBudget", "call_peer", "KINDS", "STREAM_THRESHOLD_BYTES", "NAMESPACE",
-           "UNARY_REPLY_LIMIT_BYTES", "fits_unary_reply", "goes_as_stream", "EmptyStreamReply"]
+__all__ = [
+    "RemoteError",
+    "RPCServicer",
+    "CallerBudget",
+    "call_peer",
+    "KINDS",
+    "STREAM_THRESHOLD_BYTES",
+    "NAMESPACE",
+    "UNARY_REPLY_LIMIT_BYTES",
+    "fits_unary_reply",
+    "goes_as_stream",
+    "EmptyStreamReply",
+]
 
 logger = get_logger(__name__)
 NAMESPACE = "swarm"
@@ -108,8 +125,11 @@ def goes_as_stream(request_bytes: int, expected_reply_bytes: int) -> bool:
     """Whether a call with this encoded request and a reply of about ``expected_reply_bytes`` goes as a
     stream: when either is above :data:`STREAM_THRESHOLD_BYTES` (cheaper for p2pd), or the reply cannot
     come back in a unary call at all."""
-    return (request_bytes > STREAM_THRESHOLD_BYTES or expected_reply_bytes > STREAM_THRESHOLD_BYTES
-            or not fits_unary_reply(expected_reply_bytes))
+    return (
+        request_bytes > STREAM_THRESHOLD_BYTES
+        or expected_reply_bytes > STREAM_THRESHOLD_BYTES
+        or not fits_unary_reply(expected_reply_bytes)
+    )
 
 
 def _error(message: str, kind: str) -> bytes:
@@ -184,16 +204,26 @@ class RPCServicer(ServicerBase):
     an 'internal' error reply that says so, since the values came from this server.
     """
 
-    def __init__(self, handlers: Mapping[str, Handler], max_message_bytes: int = MAX_MESSAGE_BYTES, *,
-                 max_requests_per_caller: int = 64, max_bytes_per_caller: Optional[int] = None,
-                 authorize: Optional[Callable[[str], bool]] = None, compression: str = "none",
-                 block_size: int = DEFAULT_BLOCK_SIZE, compress_replies: Collection[str] = ()):
+    def __init__(
+        self,
+        handlers: Mapping[str, Handler],
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        *,
+        max_requests_per_caller: int = 64,
+        max_bytes_per_caller: Optional[int] = None,
+        authorize: Optional[Callable[[str], bool]] = None,
+        compression: str = "none",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        compress_replies: Collection[str] = (),
+    ):
         max_bytes_per_caller = 4 * max_message_bytes if max_bytes_per_caller is None else max_bytes_per_caller
         if max_message_bytes < 1 or max_requests_per_caller < 1:
             raise ValueError("max_message_bytes and max_requests_per_caller must be at least 1")
         if max_bytes_per_caller < max_message_bytes:
-            raise ValueError(f"max_bytes_per_caller ({max_bytes_per_caller}) must be at least max_message_bytes "
-                             f"({max_message_bytes}), or no caller could send a message of the largest size")
+            raise ValueError(
+                f"max_bytes_per_caller ({max_bytes_per_caller}) must be at least max_message_bytes "
+                f"({max_message_bytes}), or no caller could send a message of the largest size"
+            )
         self.handlers = dict(handlers)
         self.max_message_bytes = max_message_bytes
         self.budget = CallerBudget(max_requests_per_caller, max_bytes_per_caller)
@@ -223,8 +253,11 @@ class RPCServicer(ServicerBase):
     def _busy(self, caller: str) -> bytes:
         requests, held = self.budget.in_flight(caller)
         logger.debug(f"caller {caller} is over its budget ({requests} requests, {held} bytes in flight)")
-        return _error(f"too many requests in flight from you ({requests} requests, {held} bytes; limits "
-                      f"{self.budget.max_requests} requests, {self.budget.max_bytes} bytes): try another peer", "busy")
+        return _error(
+            f"too many requests in flight from you ({requests} requests, {held} bytes; limits "
+            f"{self.budget.max_requests} requests, {self.budget.max_bytes} bytes): try another peer",
+            "busy",
+        )
 
     # ---- serving ----
 
@@ -246,8 +279,9 @@ class RPCServicer(ServicerBase):
         handler = self.handlers.get(method)
         try:
             if handler is None:
-                raise RemoteError(f"unknown method {method[:64]!r}; this peer serves {sorted(self.handlers)}",
-                                  "bad_request")
+                raise RemoteError(
+                    f"unknown method {method[:64]!r}; this peer serves {sorted(self.handlers)}", "bad_request"
+                )
             reply = await handler(await _decode(payload, self.max_message_bytes), caller)
         except RemoteError as e:
             return _error(str(e), e.kind)
@@ -265,8 +299,9 @@ class RPCServicer(ServicerBase):
             return await _encode(reply, compression, self.block_size)
         except CompressionError as e:
             logger.warning(f"the reply of {method[:64]} to {caller} cannot be sent in {compression}: {e}")
-            return _error(f"{method[:64]} failed on the server: its reply cannot be compressed to {compression} ({e})",
-                          "internal")
+            return _error(
+                f"{method[:64]} failed on the server: its reply cannot be compressed to {compression} ({e})", "internal"
+            )
         except Exception as e:
             logger.exception(f"the reply of {method[:64]} to {caller} cannot be encoded")
             return _error(f"{method[:64]} failed on the server: unencodable reply ({type(e).__name__})", "internal")
@@ -278,8 +313,9 @@ class RPCServicer(ServicerBase):
         self.meter(request.uid, len(request.metadata), len(reply))
         return runtime_pb2.ExpertResponse(metadata=reply)
 
-    async def add_p2p_handlers(self, p2p: P2P, wrapper: Any = None, *, namespace: Optional[str] = None,
-                               balanced: bool = False) -> None:
+    async def add_p2p_handlers(
+        self, p2p: P2P, wrapper: Any = None, *, namespace: Optional[str] = None, balanced: bool = False
+    ) -> None:
         """Serve ``rpc_unary`` (hivemind's protobuf handler) and the binary stream handler on ``p2p``."""
         await super().add_p2p_handlers(p2p, wrapper, namespace=namespace, balanced=balanced)
         await p2p.add_binary_stream_handler(_stream_handler_name(namespace), self.serve_stream, balanced=balanced)
@@ -314,10 +350,14 @@ class RPCServicer(ServicerBase):
     async def _answer_stream(self, reader: asyncio.StreamReader, caller: str) -> Optional[Tuple[str, int, bytes]]:
         """(method, request bytes read, reply) for the request on ``reader``; None if it never arrived whole."""
         method_bytes, size = REQUEST_HEADER.unpack(
-            await asyncio.wait_for(reader.readexactly(REQUEST_HEADER.size), HEADER_TIMEOUT_S))
+            await asyncio.wait_for(reader.readexactly(REQUEST_HEADER.size), HEADER_TIMEOUT_S)
+        )
         if method_bytes > MAX_METHOD_BYTES:
-            return "", 0, _error(f"a method name of {method_bytes} bytes exceeds {MAX_METHOD_BYTES} bytes",
-                                 "bad_request")
+            return (
+                "",
+                0,
+                _error(f"a method name of {method_bytes} bytes exceeds {MAX_METHOD_BYTES} bytes", "bad_request"),
+            )
         method = (await asyncio.wait_for(reader.readexactly(method_bytes), HEADER_TIMEOUT_S)).decode("utf-8", "replace")
 
         async def read() -> Optional[bytes]:
@@ -329,8 +369,9 @@ class RPCServicer(ServicerBase):
         reply, consumed = await self.answer(method, size, caller, read)
         return None if reply is None else (method, size if consumed else 0, reply)
 
-    async def answer(self, method: str, size: int, caller: str,
-                     read: Callable[[], Awaitable[Optional[bytes]]]) -> Tuple[Optional[bytes], bool]:
+    async def answer(
+        self, method: str, size: int, caller: str, read: Callable[[], Awaitable[Optional[bytes]]]
+    ) -> Tuple[Optional[bytes], bool]:
         """The reply to a request of ``size`` bytes whose payload ``read()`` returns (None if it never
         arrived whole: then there is no one to answer), and whether the payload was read.
 
@@ -340,8 +381,9 @@ class RPCServicer(ServicerBase):
         if refusal is not None:
             return refusal, False
         if size > self.max_message_bytes:
-            return _error(f"message of {size} bytes exceeds this peer's limit of {self.max_message_bytes} bytes",
-                          "bad_request"), False
+            return _error(
+                f"message of {size} bytes exceeds this peer's limit of {self.max_message_bytes} bytes", "bad_request"
+            ), False
         if not self.budget.admit(caller, size):
             return self._busy(caller), False
         try:
@@ -371,8 +413,10 @@ async def _linger(reader: asyncio.StreamReader) -> None:
 
 # ---- calling ----
 
-async def _call_stream(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, max_reply_bytes: int,
-                       namespace: str = NAMESPACE) -> bytes:
+
+async def _call_stream(
+    p2p: P2P, peer_id: PeerID, method: str, payload: bytes, max_reply_bytes: int, namespace: str = NAMESPACE
+) -> bytes:
     """Send ``payload`` on a binary stream and return the reply, refusing (as 'bad_reply') a reply
     announced larger than ``max_reply_bytes``. The reply is read while the request is still being sent, so a
     server that answers from the header (refused, busy, too large) is heard at once."""
@@ -393,7 +437,8 @@ async def _call_stream(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, m
             reply = await reader.readexactly(size)
         except asyncio.IncompleteReadError as e:
             raise EmptyStreamReply(
-                f"the stream of {method} ended {len(e.partial)} bytes into a reply of {size}") from None
+                f"the stream of {method} ended {len(e.partial)} bytes into a reply of {size}"
+            ) from None
         received = REPLY_HEADER.size + size
         return reply
     finally:
@@ -422,8 +467,7 @@ class EmptyStreamReply(ConnectionError):
     stream's tail), so the call is asked for once more before it fails."""
 
 
-async def _call_stream_retrying(p2p: P2P, peer_id: PeerID, method: str, payload: bytes,
-                                max_reply_bytes: int) -> bytes:
+async def _call_stream_retrying(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, max_reply_bytes: int) -> bytes:
     """:func:`_call_stream`, asked once more (``STREAM_ATTEMPTS`` in all) when the reply is lost. The server
     then serves the request twice: stage calls are safe to repeat (a backward already accumulated is not
     counted again)."""
@@ -437,14 +481,14 @@ async def _call_stream_retrying(p2p: P2P, peer_id: PeerID, method: str, payload:
 
 def _direct_client(p2p: P2P) -> DirectClient:
     """This process's direct connections over ``p2p``, which ask peers for sessions through p2pd."""
+
     async def ask(peer_id: str) -> Dict[str, Any]:
         return await call_peer(p2p, PeerID.from_base58(peer_id), DIRECT_SESSION_METHOD, {}, timeout=SESSION_TIMEOUT_S)
 
     return direct_client_for(p2p, ask)
 
 
-async def _call_direct(p2p: P2P, peer_id: PeerID, method: str, payload: bytes,
-                       max_reply_bytes: int) -> Optional[bytes]:
+async def _call_direct(p2p: P2P, peer_id: PeerID, method: str, payload: bytes, max_reply_bytes: int) -> Optional[bytes]:
     """The reply from the peer's direct port (:mod:`swarm.net.direct`); None if no connection to it is open yet
     (one is being opened meanwhile) or the connection broke: then the call goes through p2pd."""
     direct = _direct_client(p2p)
@@ -465,8 +509,9 @@ async def _call_unary(stub, method: str, payload: bytes, max_reply_bytes: int) -
     count_rpc_bytes(method_label(method), "sent", len(payload))
     count_rpc_bytes(method_label(method), "received", len(response.metadata))
     if len(response.metadata) > max_reply_bytes:
-        raise RemoteError(f"unary reply to {method} of {len(response.metadata)} bytes exceeds {max_reply_bytes} bytes",
-                          "bad_reply")
+        raise RemoteError(
+            f"unary reply to {method} of {len(response.metadata)} bytes exceeds {max_reply_bytes} bytes", "bad_reply"
+        )
     return response.metadata
 
 
@@ -481,9 +526,18 @@ async def _encode_request(message: Mapping[str, Any], compression: str, block_si
 
 
 async def call_peer(
-    p2p: P2P, peer_id: PeerID, method: str, message: Mapping[str, Any], *, timeout: float, stream: bool = False,
-    max_reply_bytes: int = MAX_MESSAGE_BYTES, compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE,
-    expected_reply_bytes: int = 0, direct: bool = False,
+    p2p: P2P,
+    peer_id: PeerID,
+    method: str,
+    message: Mapping[str, Any],
+    *,
+    timeout: float,
+    stream: bool = False,
+    max_reply_bytes: int = MAX_MESSAGE_BYTES,
+    compression: str = "none",
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    expected_reply_bytes: int = 0,
+    direct: bool = False,
 ) -> Dict[str, Any]:
     """Call ``method`` on ``peer_id`` and return its decoded reply, within ``timeout`` seconds.
 
@@ -517,8 +571,11 @@ async def call_peer(
             return await _send(payload)
         except Exception as e:
             # p2pd did not know where the peer is: dial its announced addresses and try once more
-            if (isinstance(e, RemoteError) or not is_routing_failure(e)
-                    or not await dialer.ensure(str(peer_id), force=True)):
+            if (
+                isinstance(e, RemoteError)
+                or not is_routing_failure(e)
+                or not await dialer.ensure(str(peer_id), force=True)
+            ):
                 raise
         return await _send(payload)
 

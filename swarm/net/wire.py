@@ -19,11 +19,29 @@ from typing import Any, Dict, List, Mapping, Tuple
 import msgpack
 import torch
 
-from swarm.net.compression import (DEFAULT_BLOCK_SIZE, FLOAT_DTYPES, Compressed, CompressionError, check_block_size,
-                               check_codec, compress, decompress)
+from swarm.net.compression import (
+    DEFAULT_BLOCK_SIZE,
+    FLOAT_DTYPES,
+    Compressed,
+    CompressionError,
+    check_block_size,
+    check_codec,
+    compress,
+    decompress,
+)
 
-__all__ = ["WireError", "MAX_MESSAGE_BYTES", "MIN_COMPRESSED_ELEMENTS", "encode", "decode",
-           "pack_tensor", "unpack_tensor", "pack_compressed", "unpack_compressed", "payload_size_hint"]
+__all__ = [
+    "WireError",
+    "MAX_MESSAGE_BYTES",
+    "MIN_COMPRESSED_ELEMENTS",
+    "encode",
+    "decode",
+    "pack_tensor",
+    "unpack_tensor",
+    "pack_compressed",
+    "unpack_compressed",
+    "payload_size_hint",
+]
 
 MAX_MESSAGE_BYTES = 256 * 2**20  # hard cap on one message (bytes); a stage config may lower it
 MAX_TENSOR_DIMS = 8
@@ -116,8 +134,14 @@ def unpack_tensor(obj: Any) -> torch.Tensor:
 
 def pack_compressed(c: Compressed) -> Dict[str, Any]:
     """The wire form of a compressed tensor: the bytes it already holds, so several peers may share one compression."""
-    return {_COMPRESSED_TAG: True, "codec": c.codec, "shape": list(c.shape), "block_size": c.block_size,
-            "data": c.data, "scales": c.scales}
+    return {
+        _COMPRESSED_TAG: True,
+        "codec": c.codec,
+        "shape": list(c.shape),
+        "block_size": c.block_size,
+        "data": c.data,
+        "scales": c.scales,
+    }
 
 
 def unpack_compressed(obj: Any) -> torch.Tensor:
@@ -126,8 +150,13 @@ def unpack_compressed(obj: Any) -> torch.Tensor:
         raise WireError(f"expected a compressed tensor, got {type(obj).__name__}")
     shape, _ = _wire_shape(obj.get("shape"))
     # as the sender wrote them: Compressed checks every field, and that they agree, as it is built
-    fields: Tuple[Any, ...] = (obj.get("codec"), tuple(shape), obj.get("block_size"), obj.get("data"),
-                               obj.get("scales"))
+    fields: Tuple[Any, ...] = (
+        obj.get("codec"),
+        tuple(shape),
+        obj.get("block_size"),
+        obj.get("data"),
+        obj.get("scales"),
+    )
     try:
         return decompress(Compressed(*fields))
     except CompressionError as e:

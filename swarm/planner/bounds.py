@@ -47,6 +47,7 @@ def enumerate_rows(type_sizes: np.ndarray, size: int) -> np.ndarray:
             extend(prefix + [k], left - k)
             if len(out) > MAX_ROWS:
                 raise OverflowError
+
     extend([], size)
     return np.array(out, dtype=np.int64)
 

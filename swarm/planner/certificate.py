@@ -39,8 +39,14 @@ from swarm.planner.bounds import enumerate_rows, forced_counts
 from swarm.planner.path import path_cost
 from swarm.planner.symmetry import TypedCost
 
-__all__ = ["certify_optimal", "certified_lower_bound", "type_clusters", "admissible_rows", "class_is_empty",
-           "AdmissibleRows"]
+__all__ = [
+    "certify_optimal",
+    "certified_lower_bound",
+    "type_clusters",
+    "admissible_rows",
+    "class_is_empty",
+    "AdmissibleRows",
+]
 
 MILP_TIME_LIMIT_S = 20.0
 MAX_CUTS_PER_CLASS = 200  # row sets priced exactly in one (k, j) class before giving up
@@ -89,8 +95,11 @@ def _pipeline_floor(k: int, j: int, s: int, same: float, cross: float, cut: floa
     def times(count: int, cost: float) -> float:  # 0 hops of an impossible (inf) kind cost 0
         return 0.0 if count == 0 else count * cost
 
-    return min(times(s - 1 - m, same) + times(m - c, cross) + times(c, cut)
-               for m in range(k - 1, s) for c in range(j - 1, m + 1))
+    return min(
+        times(s - 1 - m, same) + times(m - c, cross) + times(c, cut)
+        for m in range(k - 1, s)
+        for c in range(j - 1, m + 1)
+    )
 
 
 def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
@@ -115,8 +124,16 @@ def _cheapest_with_rows(typed: TypedCost, rows: np.ndarray) -> float:
     return best
 
 
-def class_is_empty(typed: TypedCost, data: AdmissibleRows, keep: np.ndarray, k: int, j: int, beat_s: float,
-                   deadline: float, price: bool = True) -> bool:
+def class_is_empty(
+    typed: TypedCost,
+    data: AdmissibleRows,
+    keep: np.ndarray,
+    k: int,
+    j: int,
+    beat_s: float,
+    deadline: float,
+    price: bool = True,
+) -> bool:
     """True when no allocation from the kept rows, with at most k distinct rows and j distinct
     cluster rows, costs below ``beat_s``; with ``price=False``, when no such allocation exists at
     all. Variables: n_r (groups given row r), z_r (row r used), w_q (cluster row q used)."""
@@ -130,8 +147,11 @@ def class_is_empty(typed: TypedCost, data: AdmissibleRows, keep: np.ndarray, k: 
     eye, none = diags(np.ones(count)), csr_matrix((count, count))
     to_cluster = csr_matrix((np.ones(count), (np.arange(count), cluster_of.ravel())), shape=(count, q_count))
     blocks = [
-        (hstack([csr_matrix(rows.T.astype(float)), csr_matrix((t_count, count + q_count))]),
-         forced_counts(typed), typed.type_sizes),
+        (
+            hstack([csr_matrix(rows.T.astype(float)), csr_matrix((t_count, count + q_count))]),
+            forced_counts(typed),
+            typed.type_sizes,
+        ),
         (hstack([csr_matrix(np.ones((1, count))), csr_matrix((1, count + q_count))]), s, s),
         (hstack([eye, diags(-cap), csr_matrix((count, q_count))]), -np.inf, 0.0),  # n_r <= cap z_r
         (hstack([-eye, eye, csr_matrix((count, q_count))]), -np.inf, 0.0),  # z_r <= n_r
@@ -147,19 +167,33 @@ def class_is_empty(typed: TypedCost, data: AdmissibleRows, keep: np.ndarray, k: 
         left_s = min(MILP_TIME_LIMIT_S, deadline - time.perf_counter())
         if left_s <= 0:
             return False
-        extra = [LinearConstraint(vstack([csr_matrix(c) for c in cuts]), -np.inf,
-                                  np.array([c[count:2 * count].clip(0).sum() - 1 for c in cuts]))] if cuts else []
-        result = milp(np.zeros(size), constraints=constraints + extra, integrality=np.ones(size), bounds=bounds,
-                      options={"time_limit": left_s})
+        extra = (
+            [
+                LinearConstraint(
+                    vstack([csr_matrix(c) for c in cuts]),
+                    -np.inf,
+                    np.array([c[count : 2 * count].clip(0).sum() - 1 for c in cuts]),
+                )
+            ]
+            if cuts
+            else []
+        )
+        result = milp(
+            np.zeros(size),
+            constraints=constraints + extra,
+            integrality=np.ones(size),
+            bounds=bounds,
+            options={"time_limit": left_s},
+        )
         if result.status == 2:  # infeasible: the class is empty
             return True
         if result.status != 0:
             return False
-        used = np.flatnonzero(result.x[count:2 * count] > 0.5)
+        used = np.flatnonzero(result.x[count : 2 * count] > 0.5)
         if not price or _cheapest_with_rows(typed, rows[used]) < beat_s:
             return False
         cut = np.zeros(size)  # exclude exactly this row set: sum_{used} z - sum_{others} z <= |used| - 1
-        cut[count:2 * count] = -1.0
+        cut[count : 2 * count] = -1.0
         cut[count + used] = 1.0
         cuts.append(cut)
     return False
@@ -180,8 +214,9 @@ def admissible_rows(typed: TypedCost, limit: float) -> Optional[AdmissibleRows]:
     return AdmissibleRows(rows, stage, same, cluster_row, clusters)
 
 
-def certify_optimal(typed: TypedCost, incumbent_s: float, deadline: float = float("inf"),
-                    price_candidates: bool = True) -> bool:
+def certify_optimal(
+    typed: TypedCost, incumbent_s: float, deadline: float = float("inf"), price_candidates: bool = True
+) -> bool:
     """True when no equal-group allocation costs less than ``incumbent_s`` (relative slack 1e-9).
 
     False when that cannot be shown, or not before ``deadline`` (``time.perf_counter()``).
@@ -194,7 +229,7 @@ def certify_optimal(typed: TypedCost, incumbent_s: float, deadline: float = floa
     for k in range(1, s + 1):
         # The fast form takes j = 1 only, the weakest floor, and lets the program use up to k
         # cluster rows: one check then covers every j.
-        for j in (range(1, k + 1) if price_candidates else (1,)):
+        for j in range(1, k + 1) if price_candidates else (1,):
             cluster_rows = j if price_candidates else k
             threshold = limit
             while True:  # fixed point: fewer admissible rows, higher floors, lower threshold
@@ -213,8 +248,9 @@ def certify_optimal(typed: TypedCost, incumbent_s: float, deadline: float = floa
     return True
 
 
-def certified_lower_bound(typed: TypedCost, low_s: float, high_s: float, steps: int = 10,
-                          deadline: float = float("inf")) -> float:
+def certified_lower_bound(
+    typed: TypedCost, low_s: float, high_s: float, steps: int = 10, deadline: float = float("inf")
+) -> float:
     """Raise a proven lower bound ``low_s`` towards ``high_s`` by bisection: every U the
     (fast form of the) certificate accepts is a lower bound on the equal-group optimum."""
     for _ in range(steps):

@@ -135,6 +135,10 @@ class CostModel:
             unused=tuple(sorted(int(d) for d in unused)),
         )
         return CostBreakdown(
-            total_s=stage_s + 2.0 * pipeline_s, dp_s=max(dp), pipeline_s=pipeline_s,
-            compute_s=max(compute), stage_s=stage_s, allocation=allocation,
+            total_s=stage_s + 2.0 * pipeline_s,
+            dp_s=max(dp),
+            pipeline_s=pipeline_s,
+            compute_s=max(compute),
+            stage_s=stage_s,
+            allocation=allocation,
         )

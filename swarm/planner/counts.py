@@ -107,8 +107,9 @@ def _propose(state: CountState, rng: np.random.Generator) -> tuple[int, int, int
     return None if t == u else (g, t, h, u)
 
 
-def anneal_counts(state: CountState, schedule: AnnealSchedule,
-                  rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, float, int]:
+def anneal_counts(
+    state: CountState, schedule: AnnealSchedule, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, float, int]:
     """One annealing chain from ``state``; returns the best (counts, pool, cost) and moves priced."""
     best = (state.counts.copy(), state.pool.copy(), state.total)
     t_start = schedule.start_temperature * state.total

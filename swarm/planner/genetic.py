@@ -81,8 +81,10 @@ def _local_search(state: SwapState, steps: int, rng: np.random.Generator) -> Non
     s, size = state.groups.shape
     for _ in range(steps):
         a, b = rng.choice(s, 2, replace=False)
-        if state.price_swap(int(a), int(rng.integers(size)), int(b), int(rng.integers(size)),
-                            reject_above=state.total) < state.total:
+        if (
+            state.price_swap(int(a), int(rng.integers(size)), int(b), int(rng.integers(size)), reject_above=state.total)
+            < state.total
+        ):
             state.commit()
 
 
@@ -97,7 +99,7 @@ def genetic_search(model: CostModel, config: GeneticConfig) -> SearchResult:
     for _ in range(config.population_size):
         order = rng.permutation(n)
         population.append(order[: s * size].reshape(s, size))
-        pools.append(order[s * size:])
+        pools.append(order[s * size :])
         costs.append(fast.total(population[-1]))
     evaluations = config.population_size
     while time.perf_counter() < deadline:

@@ -43,9 +43,7 @@ class Network:
         if latency.ndim != 2 or latency.shape[0] != latency.shape[1] or latency.shape[0] < 1:
             raise ValueError(f"latency_s must be a square N x N matrix, got shape {latency.shape}")
         if bandwidth.shape != latency.shape:
-            raise ValueError(
-                f"bandwidth_bytes_per_s has shape {bandwidth.shape}, latency_s has {latency.shape}"
-            )
+            raise ValueError(f"bandwidth_bytes_per_s has shape {bandwidth.shape}, latency_s has {latency.shape}")
         n = latency.shape[0]
         if not np.isfinite(_off_diagonal(latency)).all():
             raise ValueError("latency_s has NaN or infinite entries")

@@ -77,8 +77,9 @@ def _from_csv(path: Path) -> Network:
     missing = np.argwhere(np.isnan(latency_ms))
     if missing.size:
         a, b = missing[0]
-        raise NetworkFileError(f"{path}: missing entry for the pair {names[a]}, {names[b]} "
-                               f"({len(missing) // 2} pairs missing)")
+        raise NetworkFileError(
+            f"{path}: missing entry for the pair {names[a]}, {names[b]} ({len(missing) // 2} pairs missing)"
+        )
     return _build(path, latency_ms, gbps, None, names)
 
 
@@ -91,9 +92,12 @@ def _build(path: Path, latency_ms: np.ndarray, gbps: np.ndarray, tflops, names) 
     if (latency_ms[off] < 0).any():
         raise NetworkFileError(f"{path}: negative latency")
     try:
-        return Network(latency_s=latency_ms / 1e3, bandwidth_bytes_per_s=gbps * GBIT_BYTES_PER_S,
-                       compute_tflops=None if tflops is None else np.array(tflops, dtype=float),
-                       names=tuple(str(x) for x in names))
+        return Network(
+            latency_s=latency_ms / 1e3,
+            bandwidth_bytes_per_s=gbps * GBIT_BYTES_PER_S,
+            compute_tflops=None if tflops is None else np.array(tflops, dtype=float),
+            names=tuple(str(x) for x in names),
+        )
     except (TypeError, ValueError) as e:
         raise NetworkFileError(f"{path}: {e}")
 

@@ -41,8 +41,12 @@ def _layers(num_nodes: int) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, i
                 sources.extend(prev * n + i for i in members if i != j)
                 edges.extend(i * n + j for i in members if i != j)
         layers.append(
-            (np.array(targets), np.array(sources).reshape(len(targets), size - 1),
-             np.array(edges).reshape(len(targets), size - 1), size - 1)
+            (
+                np.array(targets),
+                np.array(sources).reshape(len(targets), size - 1),
+                np.array(edges).reshape(len(targets), size - 1),
+                size - 1,
+            )
         )
     return tuple(layers)
 
@@ -82,7 +86,7 @@ def path_cost(weights: np.ndarray) -> float:
         return 0.0
     dp, _ = _held_karp(weights, keep_parents=False)
     full = (1 << n) - 1
-    return float(dp[full * n: full * n + n].min())
+    return float(dp[full * n : full * n + n].min())
 
 
 def cheapest_path(weights: np.ndarray) -> tuple[float, list[int]]:
@@ -93,7 +97,7 @@ def cheapest_path(weights: np.ndarray) -> tuple[float, list[int]]:
         return 0.0, list(range(n))
     dp, parents = _held_karp(weights, keep_parents=True)
     full = (1 << n) - 1
-    last = int(dp[full * n: full * n + n].argmin())
+    last = int(dp[full * n : full * n + n].argmin())
     cost = float(dp[full * n + last])
     state, order = full * n + last, [last]
     for layer, parent in zip(reversed(_layers(n)), reversed(parents)):

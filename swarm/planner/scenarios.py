@@ -44,10 +44,7 @@ def _site_links(spec: dict) -> dict[tuple[str, str], tuple[float, float]]:
     rows = [tuple(row) for row in spec.get("links", [])]
     if "links_csv" in spec:
         reader = csv.DictReader(io.StringIO(_read_text(spec["links_csv"])))
-        rows += [
-            (r["region_a"], r["region_b"], float(r["latency_ms"]), float(r["bandwidth_gbps"]))
-            for r in reader
-        ]
+        rows += [(r["region_a"], r["region_b"], float(r["latency_ms"]), float(r["bandwidth_gbps"])) for r in reader]
     links = {}
     for a, b, latency_ms, gbps in rows:
         links[(a, b)] = links[(b, a)] = (float(latency_ms), float(gbps))

@@ -90,8 +90,9 @@ class SearchResult:
     proven_optimal: bool = False  # no equal-group allocation beats the phase-1 result (``certificate``)
 
 
-def _anneal(state: SwapState, rng: np.random.Generator, config: SearchConfig, deadline: float,
-            target: float) -> tuple[Placement, float, int]:
+def _anneal(
+    state: SwapState, rng: np.random.Generator, config: SearchConfig, deadline: float, target: float
+) -> tuple[Placement, float, int]:
     """One device-swap chain; returns the best placement seen, its cost and the swaps priced."""
     num_groups, size = state.groups.shape
     pool_size = state.pool.size
@@ -129,8 +130,9 @@ def _starts(model: CostModel, labels: np.ndarray, initial: Sequence[Placement]) 
     return starts
 
 
-def _count_chains(typed: TypedCost, starts: list[Placement], config: SearchConfig,
-                  rng: np.random.Generator, target: float) -> tuple[Placement | None, float, int]:
+def _count_chains(
+    typed: TypedCost, starts: list[Placement], config: SearchConfig, rng: np.random.Generator, target: float
+) -> tuple[Placement | None, float, int]:
     """Count-matrix annealing from the best distinct starts (see ``counts``); None where no chain ran."""
     schedule = AnnealSchedule(config.max_evaluations, config.start_temperature, config.end_temperature, target)
     best: Placement | None = None
@@ -152,8 +154,14 @@ def _count_chains(typed: TypedCost, starts: list[Placement], config: SearchConfi
     return best, best_total, evaluations
 
 
-def _device_chains(fast: FastCost, starts: list[Placement], config: SearchConfig, rng: np.random.Generator,
-                   deadline: float, target: float) -> tuple[Placement, float, int]:
+def _device_chains(
+    fast: FastCost,
+    starts: list[Placement],
+    config: SearchConfig,
+    rng: np.random.Generator,
+    deadline: float,
+    target: float,
+) -> tuple[Placement, float, int]:
     best, best_total, evaluations = starts[0], fast.total(starts[0][0]), 0
     for groups, pool in starts[: config.num_chains]:
         if best_total <= target:
@@ -165,8 +173,9 @@ def _device_chains(fast: FastCost, starts: list[Placement], config: SearchConfig
     return best, best_total, evaluations
 
 
-def _prove(model: CostModel, typed: TypedCost, bound: Optional[float], target: float, best_total: float,
-           deadline: float) -> tuple[bool, Optional[float]]:
+def _prove(
+    model: CostModel, typed: TypedCost, bound: Optional[float], target: float, best_total: float, deadline: float
+) -> tuple[bool, Optional[float]]:
     """Whether the phase-1 cost is proven optimal for equal groups, and the best proven bound;
     the certificate needs interchangeable devices (it works on count rows)."""
     if bound is None:

@@ -15,8 +15,14 @@ from scipy.spatial.distance import squareform
 
 from swarm.planner.cost import CostModel
 
-__all__ = ["proximity_order", "clustered_groups", "striped_groups", "grid_groups", "block_striped_groups",
-           "type_orders"]
+__all__ = [
+    "proximity_order",
+    "clustered_groups",
+    "striped_groups",
+    "grid_groups",
+    "block_striped_groups",
+    "type_orders",
+]
 
 
 def proximity_order(model: CostModel) -> np.ndarray:
@@ -54,8 +60,9 @@ def striped_groups(model: CostModel) -> tuple[np.ndarray, np.ndarray]:
     return order[:used].reshape(size, model.num_stages).T.copy(), order[used:]
 
 
-def block_striped_groups(model: CostModel, block: int,
-                         order: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def block_striped_groups(
+    model: CostModel, block: int, order: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """A device order (default: the proximity order) cut into runs of ``block`` groups' worth,
     each run dealt round-robin over its ``block`` groups.
 

@@ -39,8 +39,9 @@ def _twins(matrices: list[np.ndarray], speed: np.ndarray | None, i: int, j: int)
     keep = np.ones(matrices[0].shape[0], dtype=bool)
     keep[[i, j]] = False
     for m in matrices:
-        if not (np.array_equal(m[i, keep], m[j, keep]) and np.array_equal(m[keep, i], m[keep, j])
-                and m[i, j] == m[j, i]):
+        if not (
+            np.array_equal(m[i, keep], m[j, keep]) and np.array_equal(m[keep, i], m[keep, j]) and m[i, j] == m[j, i]
+        ):
             return False
     return True
 
@@ -97,8 +98,9 @@ class TypedCost:
                 else:
                     self.member_pair[t, u], self.link[t, u] = pair_dp[reps[t], j], model.pp_link[reps[t], j]
         spf = model.seconds_per_flop
-        self.compute = np.zeros(t_count) if spf is None else np.array(
-            [spf[r] * model.stage_flops / self.size for r in reps])
+        self.compute = (
+            np.zeros(t_count) if spf is None else np.array([spf[r] * model.stage_flops / self.size for r in reps])
+        )
         self._stage_cache: dict[bytes, float] = {}
         self._edge_cache: dict[tuple[bytes, bytes], float] = {}
 

@@ -25,7 +25,7 @@ def _neighbours(groups: Groups, unused: list[int]) -> Iterator[tuple[Groups, lis
             continue
         for d in members:
             rest = [x for x in members if x != d]
-            yield groups[:g] + [rest] + groups[g + 1:], unused + [d]
+            yield groups[:g] + [rest] + groups[g + 1 :], unused + [d]
             for h in range(len(groups)):
                 if h != g:
                     moved = [list(m) for m in groups]
@@ -39,8 +39,9 @@ def _neighbours(groups: Groups, unused: list[int]) -> Iterator[tuple[Groups, lis
             yield added, others
 
 
-def improve_uneven(model: CostModel, groups: Groups, unused: list[int],
-                   deadline: float) -> tuple[Groups, list[int], int]:
+def improve_uneven(
+    model: CostModel, groups: Groups, unused: list[int], deadline: float
+) -> tuple[Groups, list[int], int]:
     """Descend from (groups, unused) until no move helps or ``deadline`` (perf_counter) passes."""
     current = model.total_s(groups)
     evaluations = 0

@@ -31,8 +31,18 @@ import torch
 
 from swarm.model.finite import all_finite
 
-__all__ = ["AggregationConfig", "Aggregate", "bounded_weights", "coordinate_median", "clip_radius",
-           "centered_clip", "equivocators", "robust_aggregate", "banned_by_majority", "adds_nothing"]
+__all__ = [
+    "AggregationConfig",
+    "Aggregate",
+    "bounded_weights",
+    "coordinate_median",
+    "clip_radius",
+    "centered_clip",
+    "equivocators",
+    "robust_aggregate",
+    "banned_by_majority",
+    "adds_nothing",
+]
 
 
 def adds_nothing(samples: float) -> bool:
@@ -45,8 +55,14 @@ def adds_nothing(samples: float) -> bool:
 class AggregationConfig:
     """Knobs of the robust aggregation; every replica of a stage must use the same ones."""
 
-    # CenteredClip radius; 0 = centered_clip_scale x the median distance of the contributions from their median
-    centered_clip_tau: float = 0.0
+    centered_clip_tau: float = field(
+        default=0.0,
+        metadata={
+            "help": (
+                "CenteredClip radius; 0 = centered_clip_scale x the median distance of the contributions from their median"
+            )
+        },
+    )
     centered_clip_scale: float = 2.0  # the automatic radius in units of the typical honest spread
     max_weight_ratio: float = 2.0  # no contribution weighs more than this many times the median claim
     ban_ratio: float = 50.0  # a contribution this many median distances from the result gets its sender banned
@@ -55,11 +71,14 @@ class AggregationConfig:
 
     def __post_init__(self) -> None:
         if not self.centered_clip_tau >= 0 or not self.centered_clip_scale > 0:
-            raise ValueError(f"centered_clip_tau must be >= 0 and centered_clip_scale positive, got "
-                             f"{self.centered_clip_tau!r} and {self.centered_clip_scale!r}")
+            raise ValueError(
+                f"centered_clip_tau must be >= 0 and centered_clip_scale positive, got "
+                f"{self.centered_clip_tau!r} and {self.centered_clip_scale!r}"
+            )
         if not self.max_weight_ratio >= 1 or not self.ban_ratio > 1:
-            raise ValueError(f"max_weight_ratio must be >= 1 and ban_ratio > 1, got {self.max_weight_ratio!r} and "
-                             f"{self.ban_ratio!r}")
+            raise ValueError(
+                f"max_weight_ratio must be >= 1 and ban_ratio > 1, got {self.max_weight_ratio!r} and {self.ban_ratio!r}"
+            )
         if self.centered_clip_iterations < 1 or not self.centered_clip_tolerance > 0:
             raise ValueError("centered_clip_iterations must be at least 1 and centered_clip_tolerance positive")
 
@@ -120,8 +139,9 @@ def clip_radius(vectors: torch.Tensor, config: AggregationConfig) -> float:
     return config.centered_clip_scale * _median(_distances(vectors, coordinate_median(vectors)))
 
 
-def centered_clip(vectors: torch.Tensor, weights: Sequence[float], tau: float, max_iterations: int = 100,
-                  tolerance: float = 1e-7) -> Tuple[torch.Tensor, int]:
+def centered_clip(
+    vectors: torch.Tensor, weights: Sequence[float], tau: float, max_iterations: int = 100, tolerance: float = 1e-7
+) -> Tuple[torch.Tensor, int]:
     """CenteredClip from the coordinate-wise median; returns (result, iterations run)."""
     x = coordinate_median(vectors)
     total = float(sum(weights))
@@ -145,9 +165,14 @@ def equivocators(commitments: Mapping[str, Set[str]]) -> Set[str]:
     return {sender for sender, hashes in commitments.items() if len(hashes) > 1}
 
 
-def robust_aggregate(contributions: Mapping[str, torch.Tensor], claims: Mapping[str, float], config: AggregationConfig,
-                     banned: AbstractSet[str] = frozenset(), equivocated: AbstractSet[str] = frozenset(),
-                     max_samples: Optional[float] = None) -> Aggregate:
+def robust_aggregate(
+    contributions: Mapping[str, torch.Tensor],
+    claims: Mapping[str, float],
+    config: AggregationConfig,
+    banned: AbstractSet[str] = frozenset(),
+    equivocated: AbstractSet[str] = frozenset(),
+    max_samples: Optional[float] = None,
+) -> Aggregate:
     """Combine flat gradient vectors (peer id -> vector) into one, leaving out and naming the bad ones."""
     excluded: Dict[str, str] = {}
     bans: Dict[str, str] = {}
@@ -170,31 +195,44 @@ def robust_aggregate(contributions: Mapping[str, torch.Tensor], claims: Mapping[
     if not peers:
         if not empty:
             return Aggregate(None, [], {}, excluded, bans)
-        return Aggregate(torch.zeros_like(contributions[empty[0]], dtype=torch.float64), empty,
-                         dict.fromkeys(empty, 0.0), excluded, bans)
+        return Aggregate(
+            torch.zeros_like(contributions[empty[0]], dtype=torch.float64),
+            empty,
+            dict.fromkeys(empty, 0.0),
+            excluded,
+            bans,
+        )
     aggregate = _aggregate_nonempty(peers, contributions, claims, config, excluded, bans, max_samples)
     aggregate.included += empty
     aggregate.weights.update(dict.fromkeys(empty, 0.0))
     return aggregate
 
 
-def _aggregate_nonempty(peers: List[str], contributions: Mapping[str, torch.Tensor], claims: Mapping[str, float],
-                        config: AggregationConfig, excluded: Dict[str, str], bans: Dict[str, str],
-                        max_samples: Optional[float]) -> Aggregate:
+def _aggregate_nonempty(
+    peers: List[str],
+    contributions: Mapping[str, torch.Tensor],
+    claims: Mapping[str, float],
+    config: AggregationConfig,
+    excluded: Dict[str, str],
+    bans: Dict[str, str],
+    max_samples: Optional[float],
+) -> Aggregate:
     weights = bounded_weights([claims[p] for p in peers], config.max_weight_ratio, max_samples)
     vectors = torch.stack([contributions[p].to(torch.float64) for p in peers])
     if len(peers) == 1:
         return Aggregate(vectors[0].clone(), peers, {peers[0]: weights[0]}, excluded, bans)
     tau = clip_radius(vectors, config)
-    result, iterations = centered_clip(vectors, weights, tau, config.centered_clip_iterations,
-                                       config.centered_clip_tolerance)
+    result, iterations = centered_clip(
+        vectors, weights, tau, config.centered_clip_iterations, config.centered_clip_tolerance
+    )
     distances = dict(zip(peers, _distances(vectors, result)))
     typical = _median(list(distances.values()))
     if len(peers) >= 3 and typical > 0:
         for peer, distance in distances.items():
             if distance > config.ban_ratio * typical:
-                bans[peer] = (f"sent a gradient {distance / typical:.0f}x farther from the robust mean than the "
-                              f"median replica")
+                bans[peer] = (
+                    f"sent a gradient {distance / typical:.0f}x farther from the robust mean than the median replica"
+                )
     if bans.keys() & set(peers):  # recompute without the attackers, so the result does not carry their pull at all
         kept = [p for p in peers if p not in bans]
         for peer in set(peers) - set(kept):

@@ -27,8 +27,21 @@ import hashlib
 import math
 from typing import Iterable, List, Tuple
 
-__all__ = ["SHARD_CAPACITY", "MAX_LEVEL", "WRITE_BAND", "level_for", "write_levels", "shard_of", "shard_count",
-           "probe_estimate", "probe_levels", "mean_probe_levels", "shards_to_read", "probe_due", "coverage_polls"]
+__all__ = [
+    "SHARD_CAPACITY",
+    "MAX_LEVEL",
+    "WRITE_BAND",
+    "level_for",
+    "write_levels",
+    "shard_of",
+    "shard_count",
+    "probe_estimate",
+    "probe_levels",
+    "mean_probe_levels",
+    "shards_to_read",
+    "probe_due",
+    "coverage_polls",
+]
 
 # records a shard holds at most when the level matches the stage's size: what one read of a stage moves
 # is about (1 + rotate) shards, so a small capacity keeps a poll's bytes flat from stages of a few replicas up
@@ -63,7 +76,7 @@ def write_levels(stage_size: float) -> Tuple[int, ...]:
 def shard_count(level: int) -> int:
     if not 0 <= level <= MAX_LEVEL:
         raise ValueError(f"level must be in 0..{MAX_LEVEL}, got {level}")
-    return 2 ** level
+    return 2**level
 
 
 def shard_of(record_id: str, level: int) -> int:
@@ -133,4 +146,3 @@ def coverage_polls(level: int, rotate: int) -> float:
     """Polls a reader needs to see every shard once."""
     count = shard_count(level)
     return 1.0 if rotate < 0 or rotate + 1 >= count else math.ceil((count - 1) / rotate)
-

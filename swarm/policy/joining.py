@@ -54,8 +54,9 @@ class StateVerdict:
     moved_on: bool = False  # the sender's state is at a later step than announced: its claim holds, and more
 
 
-def trusted_state_sources(claims: Sequence[StateClaim], own_id: str, distrusted: Collection[str],
-                          rng: random.Random) -> StateSources:
+def trusted_state_sources(
+    claims: Sequence[StateClaim], own_id: str, distrusted: Collection[str], rng: random.Random
+) -> StateSources:
     """The peers to download the stage's state from: those announcing the (step, digest) held by a
     strict majority of the other online replicas that are not distrusted (at most one pair can be).
     No majority, no source: the caller waits for the replicas to agree. A majority of all voters,
@@ -66,18 +67,22 @@ def trusted_state_sources(claims: Sequence[StateClaim], own_id: str, distrusted:
     votes = Counter((c.step, c.digest) for c in voters if c.digest)
     majority = [key for key, count in votes.items() if 2 * count > len(voters)]
     if not majority:
-        seen = ", ".join(f"{count} at step {step} ({digest or 'no digest'})"
-                         for (step, digest), count in sorted(votes.items(), reverse=True))
-        return StateSources((), reason=f"no strict majority among {len(voters)} online replicas: "
-                                       f"{seen or 'no digests'}")
-    (step, digest), = majority
+        seen = ", ".join(
+            f"{count} at step {step} ({digest or 'no digest'})"
+            for (step, digest), count in sorted(votes.items(), reverse=True)
+        )
+        return StateSources(
+            (), reason=f"no strict majority among {len(voters)} online replicas: {seen or 'no digests'}"
+        )
+    ((step, digest),) = majority
     peer_ids = sorted(c.peer_id for c in voters if (c.step, c.digest) == (step, digest))
     rng.shuffle(peer_ids)
     return StateSources(tuple(peer_ids), step, digest)
 
 
-def check_downloaded_state(sources: StateSources, complete: bool, all_finite: bool, step: Optional[int],
-                           digest: str) -> StateVerdict:
+def check_downloaded_state(
+    sources: StateSources, complete: bool, all_finite: bool, step: Optional[int], digest: str
+) -> StateVerdict:
     """Judge a state downloaded from one of ``sources``.
 
     ``complete``: the tensors have the count and shapes of the stage's state (a stream can end early
@@ -92,9 +97,15 @@ def check_downloaded_state(sources: StateSources, complete: bool, all_finite: bo
     if step is None:
         return StateVerdict(False, distrust=True, reason="the state's metadata is malformed")
     if step != sources.step:
-        return StateVerdict(False, reason=f"the state is at step {step}, not at the announced step {sources.step}",
-                            moved_on=step > sources.step)
+        return StateVerdict(
+            False,
+            reason=f"the state is at step {step}, not at the announced step {sources.step}",
+            moved_on=step > sources.step,
+        )
     if digest != sources.digest:
-        return StateVerdict(False, distrust=True,
-                            reason=f"its parameters hash to {digest}, not to the announced digest {sources.digest}")
+        return StateVerdict(
+            False,
+            distrust=True,
+            reason=f"its parameters hash to {digest}, not to the announced digest {sources.digest}",
+        )
     return StateVerdict(True)

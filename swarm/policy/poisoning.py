@@ -62,8 +62,17 @@ from dataclasses import dataclass
 from typing import Collection, Deque, Dict, FrozenSet, Iterable, Mapping, Optional, Sequence, Set, Tuple
 
 __all__ = [
-    "PoisoningConfig", "trainer_of", "median", "lower_median", "clip_reference", "clip_bound", "clip_factor",
-    "share_bound", "warmup_done", "loss_outliers", "ContributionGuard",
+    "PoisoningConfig",
+    "trainer_of",
+    "median",
+    "lower_median",
+    "clip_reference",
+    "clip_bound",
+    "clip_factor",
+    "share_bound",
+    "warmup_done",
+    "loss_outliers",
+    "ContributionGuard",
 ]
 
 
@@ -91,14 +100,20 @@ class PoisoningConfig:
             raise ValueError(f"clip_multiplier must be a finite number >= 1, got {self.clip_multiplier!r}")
         if self.max_grad_norm is not None and not (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be positive or None, got {self.max_grad_norm!r}")
-        for name in ("history_size", "warmup_micro_batches", "trainer_memory_steps", "excess_window",
-                     "min_excess_count"):
+        for name in (
+            "history_size",
+            "warmup_micro_batches",
+            "trainer_memory_steps",
+            "excess_window",
+            "min_excess_count",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.min_excess_count > self.excess_window:
-            raise ValueError(f"min_excess_count ({self.min_excess_count}) cannot exceed excess_window "
-                             f"({self.excess_window})")
+            raise ValueError(
+                f"min_excess_count ({self.min_excess_count}) cannot exceed excess_window ({self.excess_window})"
+            )
         for name in ("excess_margin", "excess_gap"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValueError(f"{name} must be a non-negative number of nats, got {getattr(self, name)!r}")
@@ -164,15 +179,19 @@ def warmup_done(held_back: int, norms_by_trainer: Mapping[str, Sequence[float]],
     return held_back >= 2 * config.warmup_micro_batches or (held_back >= config.warmup_micro_batches and trainers >= 2)
 
 
-def loss_outliers(excess_by_trainer: Mapping[str, Sequence[float]], config: PoisoningConfig,
-                  current: Collection[str] = ()) -> FrozenSet[str]:
+def loss_outliers(
+    excess_by_trainer: Mapping[str, Sequence[float]], config: PoisoningConfig, current: Collection[str] = ()
+) -> FrozenSet[str]:
     """The trainers to down-weight on the last stage: those judged (at least ``min_excess_count`` excess
     losses) whose mean excess loss is above ``excess_margin`` and more than ``excess_gap`` above the
     lower median of all judged trainers' mean excesses. A trainer in ``current`` (down-weighted now)
     stays down-weighted until its mean falls below half of either margin, so that noise near the
     margins does not flip its weight back and forth."""
-    means = {trainer: sum(values) / len(values) for trainer, values in excess_by_trainer.items()
-             if len(values) >= config.min_excess_count}
+    means = {
+        trainer: sum(values) / len(values)
+        for trainer, values in excess_by_trainer.items()
+        if len(values) >= config.min_excess_count
+    }
     if not means:
         return frozenset()
     reference = lower_median(means.values())

@@ -39,8 +39,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from swarm.policy.snapshot import PeerInfo
 
 __all__ = [
-    "RebalanceConfig", "stage_capacities", "choose_stage_for_new_peer", "plan_moves",
-    "decide_move", "next_period_s", "swarm_throughput", "apply_moves",
+    "RebalanceConfig",
+    "stage_capacities",
+    "choose_stage_for_new_peer",
+    "plan_moves",
+    "decide_move",
+    "next_period_s",
+    "swarm_throughput",
+    "apply_moves",
     "settle_join_choice",
 ]
 
@@ -63,8 +69,11 @@ class RebalanceConfig:
             raise ValueError(f"period_jitter must be in [0, 1), got {self.period_jitter!r}")
         if not (isinstance(self.min_gain, (int, float)) and math.isfinite(self.min_gain) and self.min_gain >= 0):
             raise ValueError(f"min_gain must be a finite number >= 0, got {self.min_gain!r}")
-        if isinstance(self.max_movers_per_period, bool) or not isinstance(self.max_movers_per_period, int) \
-                or self.max_movers_per_period < 0:
+        if (
+            isinstance(self.max_movers_per_period, bool)
+            or not isinstance(self.max_movers_per_period, int)
+            or self.max_movers_per_period < 0
+        ):
             raise ValueError(f"max_movers_per_period must be an int >= 0, got {self.max_movers_per_period!r}")
 
 
@@ -117,8 +126,9 @@ def _bottleneck(capacities: Sequence[float], queues: Sequence[int]) -> int:
     return min(range(len(capacities)), key=lambda s: (capacities[s], -queues[s], s))
 
 
-def choose_stage_for_new_peer(peers: Sequence[PeerInfo], num_stages: int, my_throughput: float = 0.0,
-                              fitting: Optional[Sequence[int]] = None) -> int:
+def choose_stage_for_new_peer(
+    peers: Sequence[PeerInfo], num_stages: int, my_throughput: float = 0.0, fitting: Optional[Sequence[int]] = None
+) -> int:
     """The stage that needs capacity most: the lowest expected capacity.
 
     Ties go to the stage with more queued requests, then the lowest index. ``my_throughput``
@@ -137,8 +147,9 @@ def choose_stage_for_new_peer(peers: Sequence[PeerInfo], num_stages: int, my_thr
     return min(candidates, key=lambda s: (capacities[s], -queues[s], s))
 
 
-def settle_join_choice(peers: Sequence[PeerInfo], my_peer_id: str, my_stage: int, num_stages: int,
-                       fitting: Optional[Sequence[int]] = None) -> int:
+def settle_join_choice(
+    peers: Sequence[PeerInfo], my_peer_id: str, my_stage: int, num_stages: int, fitting: Optional[Sequence[int]] = None
+) -> int:
     """Re-check a ``--stage auto`` choice once it has been announced as 'joining'.
 
     Peers that start together choose from the same snapshot and pick the same stage. Once the
@@ -176,8 +187,13 @@ def _stable_pick(candidates: List[Tuple[float, str]], throughput: float) -> Tupl
     return min(candidates[lo:hi], key=lambda c: c[1])
 
 
-def _best_move(capacities: List[float], movable: Dict[int, List[Tuple[float, str]]], num_online: List[int],
-               bottleneck: int, min_gain: float) -> Optional[Tuple[str, int, float]]:
+def _best_move(
+    capacities: List[float],
+    movable: Dict[int, List[Tuple[float, str]]],
+    num_online: List[int],
+    bottleneck: int,
+    min_gain: float,
+) -> Optional[Tuple[str, int, float]]:
     """The single move into ``bottleneck`` that best improves the leximin capacity vector.
 
     For a given source stage only the pair (source, bottleneck) changes and its sum is
@@ -264,6 +280,7 @@ def next_period_s(config: RebalanceConfig, rng: random.Random) -> float:
 def apply_moves(peers: Sequence[PeerInfo], moves: Sequence[Move]) -> list[PeerInfo]:
     """The snapshot after ``moves``, movers shown as joining their new stage (for simulation and tests)."""
     targets = {peer_id: target for peer_id, _source, target in moves}
-    return [PeerInfo(p.peer_id, targets[p.peer_id], "joining", p.throughput, 0) if p.peer_id in targets else p
-            for p in peers]
-
+    return [
+        PeerInfo(p.peer_id, targets[p.peer_id], "joining", p.throughput, 0) if p.peer_id in targets else p
+        for p in peers
+    ]

@@ -38,8 +38,14 @@ import numpy as np
 from swarm.policy.slow_replicas import MAX_PROBES, probe_allowed, worth_waiting_for
 from swarm.policy.snapshot import PeerInfo
 
-__all__ = ["NoPeerAvailable", "routing_weights", "cap_announced", "effective_throughputs", "preferred_replica",
-           "Router"]
+__all__ = [
+    "NoPeerAvailable",
+    "routing_weights",
+    "cap_announced",
+    "effective_throughputs",
+    "preferred_replica",
+    "Router",
+]
 
 FloatArray = Union[Sequence[float], np.ndarray]  # figures per replica, as a list or as an array
 
@@ -87,9 +93,14 @@ def cap_announced(announced: Sequence[float], factor: float = ANNOUNCED_CAP) -> 
     return np.minimum(values, factor * positive[(positive.size - 1) // 2])
 
 
-def effective_throughputs(announced: Sequence[float], measured: Sequence[float], *,
-                          announced_cap: float = ANNOUNCED_CAP, measured_cap: float = MEASURED_CAP,
-                          announced_trust: float = ANNOUNCED_TRUST) -> np.ndarray:
+def effective_throughputs(
+    announced: Sequence[float],
+    measured: Sequence[float],
+    *,
+    announced_cap: float = ANNOUNCED_CAP,
+    measured_cap: float = MEASURED_CAP,
+    announced_trust: float = ANNOUNCED_TRUST,
+) -> np.ndarray:
     """What each replica of a stage is routed by (0 = unknown, see :func:`routing_weights`).
 
     ``measured[i] > 0`` is this trainer's own measurement of replica i (samples/s of wall time).
@@ -140,17 +151,29 @@ class Router:
     """Per-trainer routing state: stochastic wiring weighted by throughput + bans with exponential backoff.
     Pure given `now` (no clock reads)."""
 
-    def __init__(self, seed: int = 0, ban_base_s: float = 1.0, ban_max_s: float = 60.0, *,
-                 announced_cap: float = ANNOUNCED_CAP, measured_cap: float = MEASURED_CAP,
-                 announced_trust: float = ANNOUNCED_TRUST, measure_window: int = MEASURE_WINDOW,
-                 measure_quantile: float = MEASURE_QUANTILE, slow_tolerance: float = math.inf,
-                 max_probes: int = MAX_PROBES):
+    def __init__(
+        self,
+        seed: int = 0,
+        ban_base_s: float = 1.0,
+        ban_max_s: float = 60.0,
+        *,
+        announced_cap: float = ANNOUNCED_CAP,
+        measured_cap: float = MEASURED_CAP,
+        announced_trust: float = ANNOUNCED_TRUST,
+        measure_window: int = MEASURE_WINDOW,
+        measure_quantile: float = MEASURE_QUANTILE,
+        slow_tolerance: float = math.inf,
+        max_probes: int = MAX_PROBES,
+    ):
         if not (math.isfinite(ban_base_s) and ban_base_s > 0):
             raise ValueError(f"ban_base_s must be a finite number > 0, got {ban_base_s!r}")
         if not (math.isfinite(ban_max_s) and ban_max_s >= ban_base_s):
             raise ValueError(f"ban_max_s must be finite and >= ban_base_s, got {ban_max_s!r}")
-        for name, value in (("announced_cap", announced_cap), ("measured_cap", measured_cap),
-                            ("announced_trust", announced_trust)):
+        for name, value in (
+            ("announced_cap", announced_cap),
+            ("measured_cap", measured_cap),
+            ("announced_trust", announced_trust),
+        ):
             if not value >= 1.0:  # also rejects NaN; inf turns the cap off
                 raise ValueError(f"{name} must be >= 1, got {value!r}")
         if not (isinstance(measure_window, int) and measure_window >= 1):
@@ -175,8 +198,14 @@ class Router:
         self._by_kind: Dict[str, Dict[str, float]] = {}  # peer id -> kind of call -> samples/s measured
         self._measured: Dict[str, float] = {}  # peer id -> samples/s: the measurement routing uses
 
-    def choose(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = (),
-               prefer: Optional[str] = None, in_flight: Optional[Mapping[str, int]] = None) -> PeerInfo:
+    def choose(
+        self,
+        candidates: Sequence[PeerInfo],
+        now: float,
+        exclude: Collection[str] = (),
+        prefer: Optional[str] = None,
+        in_flight: Optional[Mapping[str, int]] = None,
+    ) -> PeerInfo:
         """Only state=='online', not banned, not excluded; raises NoPeerAvailable.
 
         ``prefer`` (see :func:`preferred_replica`) is taken whenever it is eligible; otherwise, or
@@ -195,8 +224,13 @@ class Router:
         index = bisect.bisect_right(cumulative, self._rng.random() * cumulative[-1])
         return eligible[min(index, len(eligible) - 1)]
 
-    def distribution(self, candidates: Sequence[PeerInfo], now: float, exclude: Collection[str] = (),
-                     in_flight: Optional[Mapping[str, int]] = None) -> list[tuple[PeerInfo, float]]:
+    def distribution(
+        self,
+        candidates: Sequence[PeerInfo],
+        now: float,
+        exclude: Collection[str] = (),
+        in_flight: Optional[Mapping[str, int]] = None,
+    ) -> list[tuple[PeerInfo, float]]:
         """The probabilities :meth:`choose` draws with: ``(peer, p)`` for each eligible peer.
 
         With ``slow_tolerance`` finite, only replicas worth waiting for get a share: the calls
@@ -206,17 +240,28 @@ class Router:
         instead of drawing every micro-batch; returns ``[]`` where :meth:`choose` would raise.
         """
         banned_until, distrusted_until = self._banned_until, self._distrusted_until  # is_banned, inlined: hot path
-        eligible = [peer for peer in candidates if peer.state == "online" and peer.peer_id not in exclude
-                    and not now < banned_until.get(peer.peer_id, -math.inf)
-                    and not now < distrusted_until.get(peer.peer_id, -math.inf)]
+        eligible = [
+            peer
+            for peer in candidates
+            if peer.state == "online"
+            and peer.peer_id not in exclude
+            and not now < banned_until.get(peer.peer_id, -math.inf)
+            and not now < distrusted_until.get(peer.peer_id, -math.inf)
+        ]
         if not eligible:
             return []
         slow_rule = math.isfinite(self.slow_tolerance) and len(eligible) > 1
-        measured = [self._settled_throughput(peer.peer_id) if slow_rule else self.measured_throughput(peer.peer_id)
-                    for peer in eligible]
+        measured = [
+            self._settled_throughput(peer.peer_id) if slow_rule else self.measured_throughput(peer.peer_id)
+            for peer in eligible
+        ]
         throughputs = effective_throughputs(
-            [peer.throughput for peer in eligible], measured,
-            announced_cap=self.announced_cap, measured_cap=self.measured_cap, announced_trust=self.announced_trust)
+            [peer.throughput for peer in eligible],
+            measured,
+            announced_cap=self.announced_cap,
+            measured_cap=self.measured_cap,
+            announced_trust=self.announced_trust,
+        )
         weights = routing_weights(throughputs)
         if slow_rule:
             weights = self._without_slow(eligible, measured, weights, in_flight or {})
@@ -231,8 +276,9 @@ class Router:
             return 0.0
         return self.measured_throughput(peer_id)
 
-    def _without_slow(self, eligible: Sequence[PeerInfo], measured: Sequence[float], weights: np.ndarray,
-                      in_flight: Mapping[str, int]) -> np.ndarray:
+    def _without_slow(
+        self, eligible: Sequence[PeerInfo], measured: Sequence[float], weights: np.ndarray, in_flight: Mapping[str, int]
+    ) -> np.ndarray:
         """``weights`` with the replicas not worth waiting for, and unmeasured ones probed enough, at 0
         (renormalised); the replica of the earliest expected completion always keeps its share."""
         calls = np.array([in_flight.get(peer.peer_id, 0) for peer in eligible], dtype=np.float64)
@@ -315,16 +361,20 @@ class Router:
     def _explain_empty(candidates: Sequence[PeerInfo], now: float, exclude: Collection[str]) -> NoPeerAvailable:
         stages = sorted({peer.stage for peer in candidates})
         stage = stages[0] if len(stages) == 1 else None
-        where = f"stage {stage}" if stage is not None else (
-            f"stages {stages}" if stages else "the requested stage")
+        where = f"stage {stage}" if stage is not None else (f"stages {stages}" if stages else "the requested stage")
         if not candidates:
             return NoPeerAvailable(f"no peer available for {where}: no peers known", stage)
         online = [peer for peer in candidates if peer.state == "online"]
         if not online:
-            states = ", ".join(f"{sum(p.state == s for p in candidates)} {s}"
-                               for s in ("joining", "leaving") if any(p.state == s for p in candidates))
+            states = ", ".join(
+                f"{sum(p.state == s for p in candidates)} {s}"
+                for s in ("joining", "leaving")
+                if any(p.state == s for p in candidates)
+            )
             return NoPeerAvailable(f"no peer available for {where}: none online ({states})", stage)
         num_excluded = sum(peer.peer_id in exclude for peer in online)
         return NoPeerAvailable(
             f"no peer available for {where}: all {len(online)} online peers are banned or excluded "
-            f"({len(online) - num_excluded} banned after failures, {num_excluded} excluded)", stage)
+            f"({len(online) - num_excluded} banned after failures, {num_excluded} excluded)",
+            stage,
+        )

@@ -26,8 +26,16 @@ import numpy as np
 
 from swarm.policy.snapshot import PeerInfo
 
-__all__ = ["SLOW_TOLERANCE", "MAX_PROBES", "RESUME_MARGIN", "completion_times", "worth_waiting_for",
-           "probe_allowed", "StandbyVerdict", "standby_verdict"]
+__all__ = [
+    "SLOW_TOLERANCE",
+    "MAX_PROBES",
+    "RESUME_MARGIN",
+    "completion_times",
+    "worth_waiting_for",
+    "probe_allowed",
+    "StandbyVerdict",
+    "standby_verdict",
+]
 
 FloatArray = Union[Sequence[float], np.ndarray]  # figures per replica, as a list or as an array
 
@@ -54,8 +62,7 @@ def _rates_and_queues(throughputs: FloatArray, queues: FloatArray) -> Tuple[np.n
     return np.where(known, rates, rates[known].mean() if known.any() else 1.0), ahead
 
 
-def worth_waiting_for(throughputs: FloatArray, queues: FloatArray,
-                      tolerance: float = SLOW_TOLERANCE) -> np.ndarray:
+def worth_waiting_for(throughputs: FloatArray, queues: FloatArray, tolerance: float = SLOW_TOLERANCE) -> np.ndarray:
     """Which replicas a call may go to: those whose :func:`completion_times` are within ``tolerance`` times
     the best one's, and for a replica itself more than ``tolerance`` times slower than the fastest,
     only while it would complete the call first.
@@ -91,8 +98,9 @@ class StandbyVerdict:
     slowdown: float = 1.0  # its expected completion over the best stage-mate's (1.0 when unknown)
 
 
-def standby_verdict(peer_id: str, snapshot: Sequence[PeerInfo], tolerance: float = SLOW_TOLERANCE,
-                    standing_by: bool = False) -> StandbyVerdict:
+def standby_verdict(
+    peer_id: str, snapshot: Sequence[PeerInfo], tolerance: float = SLOW_TOLERANCE, standing_by: bool = False
+) -> StandbyVerdict:
     """Whether replica ``peer_id`` costs its stage more than it adds, from a snapshot of the run.
 
     It does when, even with nothing queued at it, a call would complete more than ``tolerance`` times
@@ -104,8 +112,9 @@ def standby_verdict(peer_id: str, snapshot: Sequence[PeerInfo], tolerance: float
     me = next((p for p in snapshot if p.peer_id == peer_id), None)
     if me is None:
         return StandbyVerdict(False, f"{peer_id} is not in the snapshot")
-    mates = [p for p in snapshot if p.stage == me.stage and p.state == "online" and p.peer_id != peer_id
-             and p.throughput > 0]
+    mates = [
+        p for p in snapshot if p.stage == me.stage and p.state == "online" and p.peer_id != peer_id and p.throughput > 0
+    ]
     if not mates or me.throughput <= 0:
         return StandbyVerdict(False, f"stage {me.stage}: no measured stage-mate to compare with")
     mine = 1.0 / me.throughput
@@ -114,14 +123,24 @@ def standby_verdict(peer_id: str, snapshot: Sequence[PeerInfo], tolerance: float
     limit = tolerance * (RESUME_MARGIN if standing_by else 1.0)
     fastest = max(p.throughput for p in mates)
     if slowdown > limit:
-        return StandbyVerdict(True, (
-            f"standing by on stage {me.stage}: a call here completes {slowdown:.1f}x later than at the best "
-            f"stage-mate ({me.throughput:.1f} samples/s here vs up to {fastest:.1f}); trainers wait at most "
-            f"{tolerance:.1f}x, so work sent here would cost the swarm more than it adds; staying online for "
-            f"averaging and state"), slowdown)
-    return StandbyVerdict(False, (
-        f"serving on stage {me.stage}: a call here completes {slowdown:.1f}x as late as at the best stage-mate "
-        f"(within {limit:.1f}x)"), slowdown)
+        return StandbyVerdict(
+            True,
+            (
+                f"standing by on stage {me.stage}: a call here completes {slowdown:.1f}x later than at the best "
+                f"stage-mate ({me.throughput:.1f} samples/s here vs up to {fastest:.1f}); trainers wait at most "
+                f"{tolerance:.1f}x, so work sent here would cost the swarm more than it adds; staying online for "
+                f"averaging and state"
+            ),
+            slowdown,
+        )
+    return StandbyVerdict(
+        False,
+        (
+            f"serving on stage {me.stage}: a call here completes {slowdown:.1f}x as late as at the best stage-mate "
+            f"(within {limit:.1f}x)"
+        ),
+        slowdown,
+    )
 
 
 def _non_negative(values: FloatArray, name: str) -> np.ndarray:
@@ -129,4 +148,3 @@ def _non_negative(values: FloatArray, name: str) -> np.ndarray:
     if not np.all(np.isfinite(array)) or np.any(array < 0):
         raise ValueError(f"{name} must be finite and >= 0, got {list(values)}")
     return array
-

@@ -35,9 +35,7 @@ class PeerInfo:
             raise ValueError(f"stage must be a non-negative int, got {self.stage!r}")
         if self.state not in PEER_STATES:
             raise ValueError(f"state must be one of {PEER_STATES}, got {self.state!r}")
-        if not isinstance(self.throughput, (int, float)) or not math.isfinite(self.throughput) \
-                or self.throughput < 0:
+        if not isinstance(self.throughput, (int, float)) or not math.isfinite(self.throughput) or self.throughput < 0:
             raise ValueError(f"throughput must be a finite number >= 0, got {self.throughput!r}")
-        if isinstance(self.queue_length, bool) or not isinstance(self.queue_length, int) \
-                or self.queue_length < 0:
+        if isinstance(self.queue_length, bool) or not isinstance(self.queue_length, int) or self.queue_length < 0:
             raise ValueError(f"queue_length must be a non-negative int, got {self.queue_length!r}")

@@ -29,12 +29,37 @@ from collections import Counter
 from typing import Collection, Mapping, Optional, Sequence, Set, Tuple
 
 __all__ = [
-    "ReplicaClaim", "StageView", "trusted_others", "majority_state", "needs_resync", "diverged", "others_reserved",
-    "others_pending", "near_target", "stage_is_full", "must_wait", "step_is_due", "step_alone",
-    "overclaimers", "absent_claimants", "rounds_before_stepping_alone", "clock_step", "stage_mates", "min_group_size",
-    "full_group_size", "majority_group",
-    "confirmed_below", "distrust_seconds", "unborne_step_claims", "round_is_over", "near_threshold",
-    "seconds_between_reads", "MAX_CLAIM_SHARE", "DISTRUST_S", "FIRST_STRIKE_S", "NEAR_TARGET_S",
+    "ReplicaClaim",
+    "StageView",
+    "trusted_others",
+    "majority_state",
+    "needs_resync",
+    "diverged",
+    "others_reserved",
+    "others_pending",
+    "near_target",
+    "stage_is_full",
+    "must_wait",
+    "step_is_due",
+    "step_alone",
+    "overclaimers",
+    "absent_claimants",
+    "rounds_before_stepping_alone",
+    "clock_step",
+    "stage_mates",
+    "min_group_size",
+    "full_group_size",
+    "majority_group",
+    "confirmed_below",
+    "distrust_seconds",
+    "unborne_step_claims",
+    "round_is_over",
+    "near_threshold",
+    "seconds_between_reads",
+    "MAX_CLAIM_SHARE",
+    "DISTRUST_S",
+    "FIRST_STRIKE_S",
+    "NEAR_TARGET_S",
 ]
 
 # a replica's claimed pending samples count at most this multiple of its fair share of the global batch
@@ -131,8 +156,10 @@ def diverged(view: StageView) -> bool:
     """Same step, different parameters: the replica with the higher peer id gives way."""
     if view.averaging:
         return False
-    return any(claim.step == view.step and claim.digest and claim.digest != view.digest
-               and claim.peer_id < view.peer_id for claim in view.others)
+    return any(
+        claim.step == view.step and claim.digest and claim.digest != view.digest and claim.peer_id < view.peer_id
+        for claim in view.others
+    )
 
 
 def _claim_cap(view: StageView) -> float:
@@ -302,8 +329,11 @@ def overclaimers(claims: Mapping[str, int], gathered: Mapping[str, int], slack: 
     ``claims``: the pending samples each other replica announced when the step closed; ``gathered``: the
     samples each group member actually reported in the round. A member that claimed samples and then
     reported fewer than ``slack`` times its claim made the step close early on its word: a proven lie."""
-    return {peer_id for peer_id, claimed in claims.items()
-            if claimed > 0 and peer_id in gathered and gathered[peer_id] < slack * claimed}
+    return {
+        peer_id
+        for peer_id, claimed in claims.items()
+        if claimed > 0 and peer_id in gathered and gathered[peer_id] < slack * claimed
+    }
 
 
 def absent_claimants(claims: Mapping[str, int], gathered: Mapping[str, int]) -> Set[str]:
@@ -314,8 +344,9 @@ def absent_claimants(claims: Mapping[str, int], gathered: Mapping[str, int]) -> 
     return {peer_id for peer_id, claimed in claims.items() if claimed > 0 and peer_id not in gathered}
 
 
-def unborne_step_claims(ahead: Mapping[str, int], reached: int, delivered: bool, source: Optional[str],
-                        moved_on: Collection[str] = ()) -> Tuple[Set[str], Set[str]]:
+def unborne_step_claims(
+    ahead: Mapping[str, int], reached: int, delivered: bool, source: Optional[str], moved_on: Collection[str] = ()
+) -> Tuple[Set[str], Set[str]]:
     """After a state download meant to catch up with the replicas that announced a later step (``ahead``: peer
     id -> announced step), those whose step it did not bear out (above ``reached``, the step this replica
     holds now), as ``(proven, unconfirmed)``.

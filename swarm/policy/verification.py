@@ -48,9 +48,20 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 __all__ = [
-    "VerificationPolicy", "Observation", "Verdict", "AccusationVerdict", "VerificationBook", "compared_keys",
-    "params_step", "replies_agree", "compare", "outvoted", "blame_incomparable", "fingerprint",
-    "request_fingerprint", "COMPARISONS",
+    "VerificationPolicy",
+    "Observation",
+    "Verdict",
+    "AccusationVerdict",
+    "VerificationBook",
+    "compared_keys",
+    "params_step",
+    "replies_agree",
+    "compare",
+    "outvoted",
+    "blame_incomparable",
+    "fingerprint",
+    "request_fingerprint",
+    "COMPARISONS",
 ]
 
 COMPARISONS = ("agree", "disagree", "incomparable")
@@ -127,6 +138,7 @@ class AccusationVerdict:
 
 # ---- comparing replies ----
 
+
 def compared_keys(method: str, stage: int, num_stages: int) -> Tuple[str, ...]:
     """What a reply holds that another replica can recompute: forward outputs (the loss on the last
     stage), and the input gradient (above stage 0) and loss (last stage) of a backward. Stage 0's
@@ -154,8 +166,12 @@ def _distance(a: Any, b: Any) -> float:
         a, b = a.double(), b.double()
         scale = max(float(a.norm()), float(b.norm()))
         difference = float((a - b).norm())
-    elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-            and not isinstance(b, bool):
+    elif (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         scale, difference = max(abs(a), abs(b)), abs(a - b)
     else:
         return math.inf
@@ -188,8 +204,11 @@ def outvoted(observations: Sequence[Observation], keys: Sequence[str], rtol: flo
         return None
     for index, suspect in enumerate(observations):
         a, b = (o for i, o in enumerate(observations) if i != index)
-        if replies_agree(a.reply, b.reply, keys, rtol) and not replies_agree(suspect.reply, a.reply, keys, rtol) \
-                and not replies_agree(suspect.reply, b.reply, keys, rtol):
+        if (
+            replies_agree(a.reply, b.reply, keys, rtol)
+            and not replies_agree(suspect.reply, a.reply, keys, rtol)
+            and not replies_agree(suspect.reply, b.reply, keys, rtol)
+        ):
             return suspect
     return None
 
@@ -233,6 +252,7 @@ def _hash_value(h: Any, key: str, value: Any) -> None:
 
 
 # ---- what one trainer remembers ----
+
 
 @dataclass
 class _Pending:
@@ -315,8 +335,9 @@ class VerificationBook:
             return AccusationVerdict("ignore", "this trainer's own accusation")
         if not self.is_credible(author):
             _put(self._seen, key, None)
-            return AccusationVerdict("ignore", f"its author {author} has had {-self._credit[author]} more "
-                                               f"accusations refuted than confirmed")
+            return AccusationVerdict(
+                "ignore", f"its author {author} has had {-self._credit[author]} more accusations refuted than confirmed"
+            )
         if author in self._pending:  # one accusation per author at a time bounds what each author costs
             return AccusationVerdict("ignore", f"an earlier accusation of {author} is still being checked")
         _put(self._seen, key, None)

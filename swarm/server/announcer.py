@@ -18,7 +18,7 @@ from typing import List, Optional, Protocol
 from swarm import PROTOCOL_VERSION
 from swarm.dht.directory import Directory
 from swarm.dht.records import PeerRecord
-from swarm.server.host import CurrentStage, Loops, Settings
+from swarm.server.host import CurrentStage, Loops, Settings, served
 from swarm.server.lifecycle import PeerState
 from swarm.server.steps import FAST_PERIOD_S, StepCoordinator
 
@@ -49,19 +49,32 @@ class Announcer:
         peer, runner, steps = self.peer, self.peer.runner, self.peer.steps
         base, bits = steps.contributed if steps is not None else (0, 0)
         step, digest = runner.version if runner else (0, "")
+        state = PeerState(peer.state)
+        if state is PeerState.STOPPED:
+            raise ValueError(f"peer {peer.peer_id} is stopped: it has no record to announce")
         return PeerRecord(
-            version=PROTOCOL_VERSION, peer_id=peer.peer_id, stage=peer.stage, state=PeerState(peer.state).value,
-            throughput=runner.meter.samples_per_s if runner else 0.0, queue_length=peer.queued,
-            step=step, accum_step=runner.accum_step if runner else 0,
+            version=PROTOCOL_VERSION,
+            peer_id=peer.peer_id,
+            stage=served(peer.stage, "stage"),
+            state=state.value,
+            throughput=runner.meter.samples_per_s if runner else 0.0,
+            queue_length=peer.queued,
+            step=step,
+            accum_step=runner.accum_step if runner else 0,
             samples_pending=runner.samples_pending if runner else 0,
             samples_frozen=runner.frozen.samples if runner is not None and runner.frozen is not None else 0,
             samples_admitted=steps.admitted if steps is not None else 0,
             samples_applied=runner.samples_applied if runner else 0,
-            digest=digest, samples_processed=runner.samples_processed if runner else 0,
-            contributed_base=base, contributed_bits=bits,
+            digest=digest,
+            samples_processed=runner.samples_processed if runner else 0,
+            contributed_base=base,
+            contributed_bits=bits,
             tentative_bits=steps.tentative_bits() if steps is not None else 0,
-            resets=runner.resets if runner else 0, reset_from=runner.reset_from if runner else 0, run_hash=peer.run_hash,
-            excluded=",".join(steps.excluded()) if steps is not None else "", maddrs=",".join(peer.maddrs),
+            resets=runner.resets if runner else 0,
+            reset_from=runner.reset_from if runner else 0,
+            run_hash=peer.run_hash,
+            excluded=",".join(steps.excluded()) if steps is not None else "",
+            maddrs=",".join(peer.maddrs),
         )
 
     async def announce(self, only_if_changed: bool = False) -> bool:
@@ -70,6 +83,8 @@ class Announcer:
         peer, record = self.peer, self.record()
         if only_if_changed and record == self.last and time.monotonic() - self.last_at < peer.config.announce_period_s:
             return False
+        if peer.directory is None:
+            raise RuntimeError("the peer has not started: it has no directory to announce in")
         stored = await peer.directory.store(record, peer.config.expiration_s)
         if stored:
             self.last, self.last_at = record, time.monotonic()

@@ -49,14 +49,29 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.auth import Allowlist
 from swarm.hivemind_private import register_decoder, wrap_join_request
-from swarm.net.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
-                               compress, decompress)
+from swarm.net.compression import (
+    DEFAULT_BLOCK_SIZE,
+    Compressed,
+    CompressionError,
+    check_block_size,
+    check_codec,
+    compress,
+    decompress,
+)
 from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 from swarm.server.state_sharing import StateSharingAverager
 
-__all__ = ["StageAverager", "RoundResult", "RoundGivenUp", "await_round", "BlockwiseInt8", "butterfly_compression",
-           "step_group_bits", "ReportedRoundFailures"]
+__all__ = [
+    "StageAverager",
+    "RoundResult",
+    "RoundGivenUp",
+    "await_round",
+    "BlockwiseInt8",
+    "butterfly_compression",
+    "step_group_bits",
+    "ReportedRoundFailures",
+]
 
 logger = get_logger(__name__)
 GROUP_BITS = 16
@@ -97,8 +112,13 @@ class BlockwiseInt8(CompressionBase):
         if dtype not in self.DTYPES:
             raise CompressionError(f"{type(self).__name__} sends float32 and float64 tensors, not {tensor.dtype}")
         c = compress(tensor.detach().cpu().to(torch.float32), "int8", self.block_size)
-        return runtime_pb2.Tensor(compression=self.compression_type, buffer=c.data + c.scales, size=tensor.shape,
-                                  dtype=dtype, requires_grad=False)
+        return runtime_pb2.Tensor(
+            compression=self.compression_type,
+            buffer=c.data + c.scales,
+            size=tensor.shape,
+            dtype=dtype,
+            requires_grad=False,
+        )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
         dtype = self.DTYPES.get(serialized_tensor.dtype)
@@ -198,10 +218,19 @@ class StageAverager(StateSharingAverager):
 
     RPC_NAME = "StageAverager"
 
-    def __init__(self, grad_shapes: Sequence[torch.Tensor], state_fn: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]],
-                 allowlist: Iterable[str] = (), aggregation: Optional[AggregationConfig] = None,
-                 signing_key: Optional[RSAPrivateKey] = None, ban_s: float = 3600.0, max_samples: Optional[float] = None,
-                 compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE, **kwargs: Any):
+    def __init__(
+        self,
+        grad_shapes: Sequence[torch.Tensor],
+        state_fn: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]],
+        allowlist: Iterable[str] = (),
+        aggregation: Optional[AggregationConfig] = None,
+        signing_key: Optional[RSAPrivateKey] = None,
+        ban_s: float = 3600.0,
+        max_samples: Optional[float] = None,
+        compression: str = "none",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        **kwargs: Any,
+    ):
         self._state_fn = state_fn
         self._compression, self._block_size = check_codec(compression), check_block_size(block_size)
         if aggregation is None and compression != "none":
@@ -239,10 +268,18 @@ class StageAverager(StateSharingAverager):
         metadata, tensors = self._state_fn()
         return metadata, tensors, None
 
-    async def average(self, step: int, mean_grads: Sequence[torch.Tensor], samples: int, gather: Dict[str, Any],
-                      matchmaking_timeout: float, timeout: float, min_group_size: int = 2,
-                      full_group_size: Optional[int] = None,
-                      give_up: Optional[Callable[[], Awaitable[Any]]] = None) -> Optional[RoundResult]:
+    async def average(
+        self,
+        step: int,
+        mean_grads: Sequence[torch.Tensor],
+        samples: int,
+        gather: Dict[str, Any],
+        matchmaking_timeout: float,
+        timeout: float,
+        min_group_size: int = 2,
+        full_group_size: Optional[int] = None,
+        give_up: Optional[Callable[[], Awaitable[Any]]] = None,
+    ) -> Optional[RoundResult]:
         """One averaging round for ``step``: the combined gradients and who contributed, or None on failure.
 
         ``matchmaking_timeout`` bounds the search for a group: a short one lets the caller notice
@@ -255,8 +292,11 @@ class StageAverager(StateSharingAverager):
             raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
         if full_group_size is not None and full_group_size < min_group_size:
             raise ValueError(f"full_group_size ({full_group_size}) is below min_group_size ({min_group_size})")
-        self.call_in_background("_set_group_sizes", minimum=int(min_group_size),
-                                full=None if full_group_size is None else int(full_group_size))
+        self.call_in_background(
+            "_set_group_sizes",
+            minimum=int(min_group_size),
+            full=None if full_group_size is None else int(full_group_size),
+        )
         await asyncio.get_running_loop().run_in_executor(None, lambda: self.set_group_bits(step_group_bits(step)))
         mean_grads, claimed = self.contribution(list(mean_grads), samples)
         with self.get_tensors() as tensors:
@@ -264,8 +304,9 @@ class StageAverager(StateSharingAverager):
                 dst.copy_(src.to(torch.float64))
         try:
             weight = max(claimed, 1e-6)
-            control = self.step(gather=gather, weight=weight, timeout=matchmaking_timeout,
-                                wait=False, allow_retries=False)
+            control = self.step(
+                gather=gather, weight=weight, timeout=matchmaking_timeout, wait=False, allow_retries=False
+            )
             gathered = await await_round(control, timeout + 5, give_up)
         except Exception as e:
             logger.info(f"averaging step {step} failed: {type(e).__name__}: {e}")
@@ -312,24 +353,27 @@ class StageAverager(StateSharingAverager):
             logger.warning(f"refusing {what} from {peer_id}: it is not in the run's allowlist")
         return False
 
-    async def rpc_join_group(self, request: averaging_pb2.JoinRequest,
-                             context: P2PContext) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         if not self._allowed(context.remote_id, "a request to join an averaging group"):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_join_group(request, context):
             yield message
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         if not self._allowed(context.remote_id, "tensor parts for averaging"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         if not self._allowed(context.remote_id, "a state download"):
             return  # an empty reply: hivemind's downloader moves on to the next peer
         async for message in super().rpc_download_state(request, context):
@@ -374,9 +418,12 @@ class StageAverager(StateSharingAverager):
 
     async def _declare_once(self, key: str, value: Optional[float], expiration: float) -> None:
         try:
-            await asyncio.wait_for(self.dht.store(key, subkey=self.peer_id.to_bytes(), value=value,
-                                                  expiration_time=expiration, return_future=True),
-                                   max(0.0, expiration - get_dht_time()))
+            await asyncio.wait_for(
+                self.dht.store(
+                    key, subkey=self.peer_id.to_bytes(), value=value, expiration_time=expiration, return_future=True
+                ),
+                max(0.0, expiration - get_dht_time()),
+            )
         except (asyncio.TimeoutError, Exception) as e:
             logger.debug(f"declaring this replica's state for download failed: {type(e).__name__}: {e}")
 
@@ -391,11 +438,13 @@ class StageAverager(StateSharingAverager):
     def _follow_only_allowed_leaders(self) -> None:
         """Make matchmaking skip leaders outside the allowlist or banned: joining one would only end in a
         group this averager refuses (see ``_aggregate_with_group``) or whose leader it does not trust."""
+
         def allowed_leaders_only(request_join_group: Callable) -> Callable:
             async def request_allowed_leader(leader: PeerID) -> Optional[GroupInfo]:
                 if not self._allowed(leader, "an offer to lead an averaging group"):
                     return None
                 return await request_join_group(leader)
+
             return request_allowed_leader
 
         wrap_join_request(self.matchmaking, allowed_leaders_only)
@@ -403,7 +452,9 @@ class StageAverager(StateSharingAverager):
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any):
         outsiders = [peer for peer in group_info.peer_ids if not self._allowlist.allows(peer)]
         if outsiders:
-            error = MatchmakingException(f"refusing to average with {[str(p) for p in outsiders]}: not in the allowlist")
+            error = MatchmakingException(
+                f"refusing to average with {[str(p) for p in outsiders]}: not in the allowlist"
+            )
             # groupmates' parts wait on this future: fail them now rather than at their timeout
             pending = self.running_groups.get(group_info.group_id)
             if pending is not None and not pending.done():
@@ -417,14 +468,20 @@ class StageAverager(StateSharingAverager):
             raise MatchmakingException("this member sat the robust round out")
         if outcome is not None:
             gathered = dict(gathered)
-            gathered[OUTCOME_KEY] = {"included": outcome.included, "weights": outcome.weights,
-                                     "excluded": outcome.excluded, "banned": outcome.banned, "tau": outcome.tau}
+            gathered[OUTCOME_KEY] = {
+                "included": outcome.included,
+                "weights": outcome.weights,
+                "excluded": outcome.excluded,
+                "banned": outcome.banned,
+                "tau": outcome.tau,
+            }
         return gathered
 
     # ---- robust rounds: every check below runs in the averager's process ----
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
-                                      group_id: Optional[bytes] = None, **kwargs: Any) -> None:
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
+    ) -> None:
         if self._aggregation is None:
             return await super()._run_allreduce_inplace_(tensors, group_info, group_id, **kwargs)
         group_id = group_info.group_id if group_id is None else group_id
@@ -432,12 +489,22 @@ class StageAverager(StateSharingAverager):
         self._banned = {peer: until for peer, until in self._banned.items() if until > now}
         vector = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
         round_ = RobustRound(
-            stub_for=lambda peer: self.get_stub(self.background_p2p, peer, namespace=self.prefix), group_id=group_id,
-            peer_ids=group_info.peer_ids, peer_id=self.peer_id, vector=vector, samples=float(kwargs.get("weight") or 0.0),
-            key=self._signing_key, config=self._aggregation, banned=set(self._banned),
-            timeout=0.8 * (self.allreduce_timeout or 30.0), chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
-            max_samples=self._max_samples, send_override=self.send_override(),
-            compression=self._compression, block_size=self._block_size)
+            stub_for=lambda peer: self.get_stub(self.background_p2p, peer, namespace=self.prefix),
+            group_id=group_id,
+            peer_ids=group_info.peer_ids,
+            peer_id=self.peer_id,
+            vector=vector,
+            samples=float(kwargs.get("weight") or 0.0),
+            key=self._signing_key,
+            config=self._aggregation,
+            banned=set(self._banned),
+            timeout=0.8 * (self.allreduce_timeout or 30.0),
+            chunk_timeout=float(kwargs.get("sender_timeout") or 10.0),
+            max_samples=self._max_samples,
+            send_override=self.send_override(),
+            compression=self._compression,
+            block_size=self._block_size,
+        )
         self.running_groups[group_id].set_result(round_)
         try:
             outcome = await round_.run()
@@ -450,6 +517,6 @@ class StageAverager(StateSharingAverager):
             raise MatchmakingException("robust averaging had no usable contribution")
         offset = 0
         for tensor in tensors:
-            tensor.copy_(outcome.vector[offset:offset + tensor.numel()].view_as(tensor))
+            tensor.copy_(outcome.vector[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
         self._outcomes[group_id] = outcome

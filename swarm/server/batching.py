@@ -98,7 +98,9 @@ class _Batcher:
             if not self._queue:
                 return []
             key = self._queue[0].key
-            batch, rest, samples = [], [], 0
+            batch: List[_Queued] = []
+            rest: List[_Queued] = []
+            samples = 0
             for item in self._queue:
                 if not batch or (item.key == key and samples + item.samples <= self.max_samples):
                     batch.append(item)

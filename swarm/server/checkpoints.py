@@ -18,11 +18,17 @@ from hivemind.utils import get_logger
 
 from swarm.model.finite import all_finite
 
-from swarm.server.host import CurrentStage, Loops, Settings
+from swarm.server.host import CurrentStage, Loops, Settings, served
 from swarm.server.lifecycle import PeerState
 
-__all__ = ["checkpoint_path", "save_checkpoint", "load_checkpoint", "non_finite_indices", "Checkpointer",
-           "CheckpointHost"]
+__all__ = [
+    "checkpoint_path",
+    "save_checkpoint",
+    "load_checkpoint",
+    "non_finite_indices",
+    "Checkpointer",
+    "CheckpointHost",
+]
 
 logger = get_logger(__name__)
 
@@ -56,8 +62,10 @@ def load_checkpoint(path: Path, run_id: str, stage: int) -> Optional[Tuple[Dict[
     except Exception as e:
         raise ValueError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from None
     if not isinstance(payload, dict) or payload.get("run_id") != run_id:
-        raise ValueError(f"checkpoint {path} belongs to run {payload.get('run_id') if isinstance(payload, dict) else '?'}, "
-                         f"not {run_id}")
+        raise ValueError(
+            f"checkpoint {path} belongs to run {payload.get('run_id') if isinstance(payload, dict) else '?'}, "
+            f"not {run_id}"
+        )
     metadata, tensors = payload.get("metadata"), payload.get("tensors")
     if not isinstance(metadata, dict) or metadata.get("stage") != stage or not isinstance(tensors, list):
         raise ValueError(f"checkpoint {path} does not hold stage {stage}")
@@ -82,18 +90,23 @@ class Checkpointer:
         self.peer = peer
 
     def _path(self) -> Optional[Path]:
+        """Where the stage's checkpoint lives; None without a checkpoint directory or before the peer chose a stage."""
         peer = self.peer
-        return checkpoint_path(peer.config.checkpoint_dir, peer.run.run_id, peer.stage) if peer.config.checkpoint_dir else None
+        if not peer.config.checkpoint_dir or peer.stage is None:
+            return None
+        return checkpoint_path(peer.config.checkpoint_dir, peer.run.run_id, peer.stage)
 
     async def restore(self) -> bool:
         path, peer = self._path(), self.peer
         if path is None:
             return False
-        loaded = await asyncio.get_running_loop().run_in_executor(None, load_checkpoint, path, peer.run.run_id, peer.stage)
+        stage = served(peer.stage, "stage")  # there is one: _path gave a path
+        loaded = await asyncio.get_running_loop().run_in_executor(None, load_checkpoint, path, peer.run.run_id, stage)
         if loaded is None:
             return False
-        await peer.compute.run(peer.runner.load_state, *loaded)
-        logger.info(f"stage {peer.stage}: restored from checkpoint {path} at step {peer.runner.step}")
+        runner = served(peer.runner, "runner")
+        await peer.compute.run(runner.load_state, *loaded)
+        logger.info(f"stage {peer.stage}: restored from checkpoint {path} at step {runner.step}")
         return True
 
     async def save(self) -> Optional[Path]:
@@ -102,10 +115,14 @@ class Checkpointer:
             return None
         metadata, tensors = await peer.compute.run(peer.shared_state)
         try:
-            await asyncio.get_running_loop().run_in_executor(None, save_checkpoint, path, peer.run.run_id, metadata, tensors)
+            await asyncio.get_running_loop().run_in_executor(
+                None, save_checkpoint, path, peer.run.run_id, metadata, tensors
+            )
         except ValueError as e:
-            logger.error(f"stage {peer.stage}: not checkpointing step {metadata.get('step')}: {e}; "
-                         f"keeping the last good checkpoint {path}")
+            logger.error(
+                f"stage {peer.stage}: not checkpointing step {metadata.get('step')}: {e}; "
+                f"keeping the last good checkpoint {path}"
+            )
             return None
         return path
 

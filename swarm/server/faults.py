@@ -19,14 +19,39 @@ from swarm.server.averaging import StageAverager
 if TYPE_CHECKING:
     from swarm.server.peer import StagePeer
 
-__all__ = ["FAULTS", "REPLY_FAULTS", "GRADIENT_FAULTS", "STATE_FAULTS", "corrupt_reply", "GradientFault",
-           "corrupt_state", "check_fault", "install_fault", "FaultyAverager"]
+__all__ = [
+    "FAULTS",
+    "REPLY_FAULTS",
+    "GRADIENT_FAULTS",
+    "STATE_FAULTS",
+    "corrupt_reply",
+    "GradientFault",
+    "corrupt_state",
+    "check_fault",
+    "install_fault",
+    "FaultyAverager",
+]
 
 # faults of the replies to trainers
-REPLY_FAULTS = ("non_numeric_loss", "nan_loss", "wrong_loss", "nan_outputs", "wrong_shape_outputs", "missing_step",
-                "noisy_outputs", "zero_outputs", "noisy_grad_inputs")
+REPLY_FAULTS = (
+    "non_numeric_loss",
+    "nan_loss",
+    "wrong_loss",
+    "nan_outputs",
+    "wrong_shape_outputs",
+    "missing_step",
+    "noisy_outputs",
+    "zero_outputs",
+    "noisy_grad_inputs",
+)
 # faults of what the replica contributes to its stage's averaging
-GRADIENT_FAULTS = ("sign_flip_gradients", "random_gradients", "nan_gradients", "little_is_enough", "equivocate_gradients")
+GRADIENT_FAULTS = (
+    "sign_flip_gradients",
+    "random_gradients",
+    "nan_gradients",
+    "little_is_enough",
+    "equivocate_gradients",
+)
 # faults of the state the replica serves to joiners
 STATE_FAULTS = ("poisoned_state",)
 FAULTS = ("none",) + REPLY_FAULTS + GRADIENT_FAULTS + STATE_FAULTS
@@ -119,7 +144,7 @@ class GradientFault:
         return grads
 
     def _little_is_enough(self, grads: List[torch.Tensor]) -> List[torch.Tensor]:
-        if self._mean is None:
+        if self._mean is None or self._square is None:  # both are set together, on the first call
             self._mean = [g.clone() for g in grads]
             self._square = [g * g for g in grads]
         else:
@@ -140,8 +165,9 @@ class GradientFault:
 POISON_NOISE_STD = 1.0
 
 
-def corrupt_state(fault: str, metadata: Dict[str, Any],
-                  tensors: List[torch.Tensor]) -> tuple[Dict[str, Any], List[torch.Tensor]]:
+def corrupt_state(
+    fault: str, metadata: Dict[str, Any], tensors: List[torch.Tensor]
+) -> tuple[Dict[str, Any], List[torch.Tensor]]:
     """The (metadata, tensors) a replica with ``fault`` serves to replicas that download its state.
 
     A "poisoned_state" replica adds large noise to the parameters (the first third of the state, as
@@ -167,6 +193,7 @@ Handler = Callable[[Dict[str, Any], str], Awaitable[Dict[str, Any]]]
 def _corrupting(fault: str, method: str, handler: Handler) -> Handler:
     async def corrupted(request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         return corrupt_reply(fault, method, await handler(request, caller))
+
     return corrupted
 
 

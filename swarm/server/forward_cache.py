@@ -118,14 +118,27 @@ class ForwardCache:
         self.invalidated += self.clear()
 
     def stats(self) -> Dict[str, int]:
-        return {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
-                "stored": self.stored, "hits": self.hits, "misses": self.misses, "evicted": self.evicted,
-                "invalidated": self.invalidated, "mismatched": self.mismatched}
+        return {
+            "entries": len(self._entries),
+            "bytes": self.nbytes,
+            "max_bytes": self.max_bytes,
+            "stored": self.stored,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evicted": self.evicted,
+            "invalidated": self.invalidated,
+            "mismatched": self.mismatched,
+        }
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-            and a.device == b.device and bool(torch.equal(a, b)))
+    return (
+        isinstance(b, torch.Tensor)
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.device == b.device
+        and bool(torch.equal(a, b))
+    )
 
 
 def _storage_key(tensor: torch.Tensor) -> Tuple[int, int]:
@@ -133,8 +146,7 @@ def _storage_key(tensor: torch.Tensor) -> Tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def measure_saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterator[torch.Tensor]
-                        ) -> Tuple[torch.Tensor, int]:
+def measure_saved_bytes(fn: Callable[[], torch.Tensor], exclude: Iterator[torch.Tensor]) -> Tuple[torch.Tensor, int]:
     """Run ``fn`` (a forward with autograd on) and return its result and the bytes of the distinct storages
     autograd saved for its backward, leaving out those of ``exclude`` (the parameters)."""
     excluded: Set[Tuple[int, int]] = {_storage_key(t) for t in exclude}

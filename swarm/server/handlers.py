@@ -32,12 +32,12 @@ from swarm.dht.agreement import settings_reply
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError
 from swarm.server.batching import BackwardBatcher, ForwardBatcher
-from swarm.server.host import CurrentStage, Settings
+from swarm.server.host import CurrentStage, Settings, served
 from swarm.server.lifecycle import PeerState
 from swarm.server.runner import StageRunner
 from swarm.server.steps import StepCoordinator
 
-__all__ = ["StageHandlers", "check_micro_batch_id", "COMPRESSED_METHODS"]
+__all__ = ["StageHandlers", "HandlerTable", "check_micro_batch_id", "COMPRESSED_METHODS"]
 
 COMPRESSED_METHODS = frozenset({"forward", "backward"})  # methods whose replies use the run's compression
 
@@ -50,8 +50,10 @@ def check_micro_batch_id(micro_batch_id: Any, caller: str) -> str:
     if len(micro_batch_id) > 256:
         raise ValueError("micro_batch_id is longer than 256 characters")
     if not micro_batch_id.startswith(f"{caller}:"):
-        raise ValueError(f"micro_batch_id {micro_batch_id[:80]!r} does not belong to the caller {caller}: "
-                         f"ids must start with the caller's peer id and ':'")
+        raise ValueError(
+            f"micro_batch_id {micro_batch_id[:80]!r} does not belong to the caller {caller}: "
+            f"ids must start with the caller's peer id and ':'"
+        )
     return micro_batch_id
 
 
@@ -86,9 +88,18 @@ def _logits_flag(request: Dict[str, Any], micro_batch_id: Any, targets: Any) -> 
     if not isinstance(logits, bool):
         raise ValueError(f"logits must be true or false, got {type(logits).__name__}")
     if logits and (micro_batch_id is not None or targets is not None):
-        raise ValueError("a logits forward takes neither targets nor a micro_batch_id: it computes the next-token "
-                         "logits and trains nothing")
+        raise ValueError(
+            "a logits forward takes neither targets nor a micro_batch_id: it computes the next-token "
+            "logits and trains nothing"
+        )
     return logits
+
+
+class HandlerTable(Protocol):
+    """What serves the peer's RPC methods: :class:`StageHandlers`, or a wrapper of them (an emulated faulty
+    replica's, :mod:`swarm.server.faults`)."""
+
+    def table(self) -> Dict[str, Any]: ...
 
 
 class _Announcer(Protocol):
@@ -118,11 +129,17 @@ class StageHandlers:
         self.peer = peer
 
     def table(self) -> Dict[str, Any]:
-        return {"forward": self.forward, "backward": self.backward, "info": self.info,
-                "parameters": self.parameters, "step_members": self.step_members, "settings": self.settings}
+        return {
+            "forward": self.forward,
+            "backward": self.backward,
+            "info": self.info,
+            "parameters": self.parameters,
+            "step_members": self.step_members,
+            "settings": self.settings,
+        }
 
     def _check(self, request: Dict[str, Any]) -> int:
-        """Refuse work this peer cannot take now; returns the request's batch size."""
+        """Refuse work this peer cannot take now; returns the request's batch size (its ``inputs`` is a tensor)."""
         peer = self.peer
         if peer.state != PeerState.ONLINE:
             raise RemoteError(f"peer is {peer.state.value}, not taking new work", "unavailable")
@@ -136,19 +153,22 @@ class StageHandlers:
     async def forward(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         peer = self.peer
         self._check(request)
-        inputs, targets = request.get("inputs"), request.get("targets")
-        runner, batcher = peer.runner, peer.batcher
+        inputs, targets = request["inputs"], request.get("targets")  # _check made sure inputs is a tensor
         micro_batch_id = request.get("micro_batch_id")
         if micro_batch_id is not None:
             check_micro_batch_id(micro_batch_id, caller)
         if _logits_flag(request, micro_batch_id, targets):
             return await self._logits(inputs)
+        runner = served(peer.runner, "runner")
         before = runner.version
         with peer.compute.serving():
             if micro_batch_id is not None and runner.forward_cache.enabled and not runner.module.is_last:
-                reply: Dict[str, Any] = {"outputs": await peer.compute.run(runner.forward_train, micro_batch_id, inputs)}
+                reply: Dict[str, Any] = {
+                    "outputs": await peer.compute.run(runner.forward_train, micro_batch_id, inputs)
+                }
             else:
                 runner.module.check_inputs(inputs, targets)  # refuse bad requests alone, before merging
+                batcher = served(peer.batcher, "forward batcher")
                 with peer.compute.queue():
                     outputs = await batcher.forward(inputs, targets)
                 # the last stage's per-token losses: the request's loss is their mean, merged or alone
@@ -159,7 +179,7 @@ class StageHandlers:
     async def _logits(self, inputs: torch.Tensor) -> Dict[str, Any]:
         """The last stage's next-token logits at each sample's last position (a generating client's forward): run
         alone on the compute thread, not merged, and nothing kept or accumulated."""
-        peer, runner = self.peer, self.peer.runner
+        peer, runner = self.peer, served(self.peer.runner, "runner")
         before = runner.version
         with peer.compute.serving():
             reply: Dict[str, Any] = {"logits": await peer.compute.run(runner.last_logits, inputs)}
@@ -172,7 +192,7 @@ class StageHandlers:
         if _verify_flag(request):
             return await self._verify_backward(request)
         micro_batch_id = check_micro_batch_id(request.get("micro_batch_id"), caller)
-        steps, runner = peer.steps, peer.runner
+        steps, runner = served(peer.steps, "step coordinator"), served(peer.runner, "runner")
         admitted = False
         # a caller that gives up (its call cancelled) while this waits for room leaves nothing in flight
         with peer.compute.serving():
@@ -196,11 +216,12 @@ class StageHandlers:
 
     async def _verify_backward(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""
-        peer, runner = self.peer, self.peer.runner
+        peer, runner = self.peer, served(self.peer.runner, "runner")
         before, resets = runner.version, runner.resets
         with peer.compute.serving():
             grad_inputs, loss, step = await peer.compute.run(
-                runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False)
+                runner.backward, "", request.get("inputs"), request.get("grad_outputs"), request.get("targets"), False
+            )
         return _backward_reply(grad_inputs, loss, step, runner, before, resets)
 
     async def info(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
@@ -209,15 +230,18 @@ class StageHandlers:
         reply = self.peer.announcer.record().model_dump(mode="json")
         runner = self.peer.runner
         if runner is not None:
-            reply["compute"] = {"forwards": runner.num_forwards, "recomputed": runner.num_recomputed,
-                                "forward_cache": runner.forward_cache.stats()}
+            reply["compute"] = {
+                "forwards": runner.num_forwards,
+                "recomputed": runner.num_recomputed,
+                "forward_cache": runner.forward_cache.stats(),
+            }
         return reply
 
     async def parameters(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The stage's parameters (to export a trained model, or to check replicas agree); with
         ``gradients: true`` also the mean gradient accumulated so far for the current step."""
         peer = self.peer
-        return await peer.compute.run(peer.runner.export, bool(request.get("gradients", False)))
+        return await peer.compute.run(served(peer.runner, "runner").export, bool(request.get("gradients", False)))
 
     async def step_members(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
         """The peers whose gradients a recent applied step averaged: how a trainer learns whether a
@@ -227,10 +251,13 @@ class StageHandlers:
             raise RemoteError(f"this peer serves stage {peer.stage}, not {request.get('stage')!r}", "wrong_stage")
         if isinstance(step, bool) or not isinstance(step, int):
             raise ValueError(f"step must be an integer, got {type(step).__name__}")
-        members = peer.steps.members.get(step)
+        remembered = served(peer.steps, "step coordinator").members
+        members = remembered.get(step)
         if members is None:
-            raise ValueError(f"unknown step {step}: this replica remembers steps "
-                             f"{min(peer.steps.members, default='-')}..{max(peer.steps.members, default='-')}")
+            raise ValueError(
+                f"unknown step {step}: this replica remembers steps "
+                f"{min(remembered, default='-')}..{max(remembered, default='-')}"
+            )
         return {"step": step, "members": list(members)}
 
     async def settings(self, request: Dict[str, Any], caller: str) -> Dict[str, Any]:
@@ -238,8 +265,14 @@ class StageHandlers:
         return settings_reply(self.peer.run)
 
 
-def _backward_reply(grad_inputs: Optional[torch.Tensor], loss: Optional[float], step: int, runner: "StageRunner",
-                    before: Tuple[int, str], resets: int) -> Dict[str, Any]:
+def _backward_reply(
+    grad_inputs: Optional[torch.Tensor],
+    loss: Optional[float],
+    step: int,
+    runner: "StageRunner",
+    before: Tuple[int, str],
+    resets: int,
+) -> Dict[str, Any]:
     reply: Dict[str, Any] = {"step": step, "resets": resets}
     if grad_inputs is not None:
         reply["grad_inputs"] = grad_inputs

@@ -25,7 +25,7 @@ from swarm.policy.joining import StateClaim, StateSources, StateVerdict, check_d
 from swarm.dht.records import PeerRecord, to_peer_infos
 from swarm.server.averaging import StageAverager
 from swarm.server.checkpoints import non_finite_indices
-from swarm.server.host import CurrentStage, Records, Settings
+from swarm.server.host import CurrentStage, Records, Settings, served
 from swarm.server.lifecycle import Lifecycle, PeerState
 from swarm.server.runner import parameter_digest
 from swarm.server.steps import DISTRUST_S, StepCoordinator
@@ -97,8 +97,9 @@ class Joining:
         await peer.announcer.announce()
         await asyncio.sleep(random.uniform(0.5, 1.5))
         snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
-        settled = settle_join_choice(snapshot, peer.peer_id, stage, peer.run.num_stages,
-                                     fitting=peer_fitting_stages(peer.config))
+        settled = settle_join_choice(
+            snapshot, peer.peer_id, stage, peer.run.num_stages, fitting=peer_fitting_stages(peer.config)
+        )
         if settled != stage:
             logger.info(f"another peer is joining stage {stage} at the same time; joining stage {settled} instead")
         return settled
@@ -115,10 +116,12 @@ class Joining:
             if others and not self._all_refused(others):
                 raise RuntimeError(f"could not download stage {peer.stage} state from any of {len(others)} replicas")
             if others:
-                logger.warning(f"stage {peer.stage}: every live replica served a state other than the one it "
-                               f"announces; joining as if the stage had none")
+                logger.warning(
+                    f"stage {peer.stage}: every live replica served a state other than the one it "
+                    f"announces; joining as if the stage had none"
+                )
             await self._start_without_replicas(records)
-        peer.averager.allow_state_sharing = True
+        served(peer.averager, "averager").allow_state_sharing = True
 
     async def _start_without_replicas(self, records: Dict[str, PeerRecord]) -> None:
         peer = self.peer
@@ -129,11 +132,20 @@ class Joining:
             raise RuntimeError(
                 f"stage {peer.stage} has no live replica and no checkpoint in {peer.config.checkpoint_dir!r}, "
                 f"but the run is at step {run_step}: pass --checkpoint_dir with this stage's checkpoint, or "
-                f"--reinitialize true to restart the stage from scratch")
+                f"--reinitialize true to restart the stage from scratch"
+            )
+        if peer.run.starts_from_checkpoint and not peer.config.init_from:
+            raise RuntimeError(
+                f"stage {peer.stage} has no live replica, and run {peer.run.run_id!r} starts from a checkpoint: pass "
+                f"--init_from with a local copy of it (the one the organiser gave swarm bootstrap --init_from), or "
+                f"join once a replica serves the stage"
+            )
 
     def _online_others(self, records: Dict[str, PeerRecord]) -> List[PeerRecord]:
         peer = self.peer
-        return [r for r in records.values() if r.stage == peer.stage and r.state == "online" and r.peer_id != peer.peer_id]
+        return [
+            r for r in records.values() if r.stage == peer.stage and r.state == "online" and r.peer_id != peer.peer_id
+        ]
 
     async def download_state(self, max_attempts: Optional[int] = None) -> bool:
         """Adopt a live replica's state; retried within ``state_download_timeout_s`` (and at most
@@ -162,7 +174,7 @@ class Joining:
     async def _adopt_any(self, timeout: float) -> bool:
         """One download from the replica hivemind's downloader picks, adopted if it fits the stage. A separate
         call, so that a state let go is gone before the next download begins (it is never held twice)."""
-        future = self.peer.averager.load_state_from_peers(wait=False, timeout=timeout)
+        future = served(self.peer.averager, "averager").load_state_from_peers(wait=False, timeout=timeout)
         try:
             loaded = await asyncio.wait_for(future, timeout=timeout)
         except Exception as e:
@@ -179,11 +191,12 @@ class Joining:
             return False
         return True
 
-    async def _adopt(self, metadata: Dict[str, Any], tensors: Sequence[torch.Tensor], source: str,
-                     source_id: Optional[str] = None) -> None:
+    async def _adopt(
+        self, metadata: Dict[str, Any], tensors: Sequence[torch.Tensor], source: str, source_id: Optional[str] = None
+    ) -> None:
         """Load a downloaded state (ValueError if it does not fit the stage; nothing changes then); ``source_id``:
         the peer id of the replica that served it, when known (it is then :attr:`last_source`)."""
-        peer, runner = self.peer, self.peer.runner
+        peer, runner = self.peer, served(self.peer.runner, "runner")
         first_dropped = runner.frozen.step if runner.frozen is not None else runner.accum_step
         dropped_from = min(peer.steps.tentative, default=None) if peer.steps is not None else None
         await peer.compute.run(runner.load_state, metadata, tensors, dropped_from)
@@ -225,14 +238,15 @@ class Joining:
             downloaded = await self._fetch(remaining, deadline)
             if downloaded is None or downloaded[0] not in remaining:
                 return False
-            remaining = remaining[remaining.index(downloaded[0]) + 1:]
+            remaining = remaining[remaining.index(downloaded[0]) + 1 :]
             if await self._judge_and_adopt(sources, *downloaded, deadline):
                 return True
             del downloaded
         return False
 
-    async def _judge_and_adopt(self, sources: StateSources, source: str, metadata: Any,
-                               tensors: Sequence[torch.Tensor], deadline: float) -> bool:
+    async def _judge_and_adopt(
+        self, sources: StateSources, source: str, metadata: Any, tensors: Sequence[torch.Tensor], deadline: float
+    ) -> bool:
         """Adopt one downloaded state if it is the one ``sources`` announce; refuse its sender if it lied."""
         peer = self.peer
         facts = await peer.compute.run(self._inspect, metadata, tensors)
@@ -256,8 +270,9 @@ class Joining:
 
     async def _fetch(self, peer_ids: List[str], deadline: float) -> Optional[Tuple[str, Any, List[torch.Tensor]]]:
         peer = self.peer
-        future = peer.averager.load_state_from(peer_ids, timeout=peer.config.state_download_timeout_s,
-                                               max_bytes=self._max_state_bytes(), wait=False)
+        future = served(peer.averager, "averager").load_state_from(
+            peer_ids, timeout=peer.config.state_download_timeout_s, max_bytes=self._max_state_bytes(), wait=False
+        )
         try:
             return await asyncio.wait_for(future, timeout=max(0.1, deadline - time.monotonic()))
         except Exception as e:
@@ -266,11 +281,11 @@ class Joining:
 
     def _inspect(self, metadata: Any, tensors: Sequence[Any]) -> StateFacts:
         """The facts of a downloaded state. Runs on the compute thread: it hashes the parameters."""
-        params = self.peer.runner.params
+        params = served(self.peer.runner, "runner").params
         complete = _fits(params, tensors)
         all_finite = complete and not non_finite_indices(tensors)
-        digest = parameter_digest(tensors[:len(params)]) if complete else ""
-        return StateFacts(complete, all_finite, _state_step(metadata, self.peer.stage), digest)
+        digest = parameter_digest(tensors[: len(params)]) if complete else ""
+        return StateFacts(complete, all_finite, _state_step(metadata, served(self.peer.stage, "stage")), digest)
 
     async def _judge_once_announced(self, facts: StateFacts, verdict: StateVerdict, deadline: float) -> StateVerdict:
         """Judge a state that passed the step its source announced against the records once they announce its
@@ -280,6 +295,8 @@ class Joining:
         the majority announces another digest for at its step is left, not held against its sender (an honest
         replica may have averaged that step with a minority of the stage)."""
         config, step = self.peer.config, facts.step
+        if step is None:  # a state whose metadata names no step never passed the step its source announced
+            return verdict
         until = min(deadline, time.monotonic() + CATCH_UP_PERIODS * config.announce_period_s)
         while time.monotonic() < until:
             await asyncio.sleep(config.poll_period_s)
@@ -291,13 +308,16 @@ class Joining:
             again = check_downloaded_state(sources, *facts)
             if again.accept:
                 return again
-            return StateVerdict(False, reason=f"the stage's replicas announce another state at its step {step} "
-                                              f"({again.reason})", moved_on=True)
+            return StateVerdict(
+                False,
+                reason=f"the stage's replicas announce another state at its step {step} ({again.reason})",
+                moved_on=True,
+            )
         return verdict
 
     def _max_state_bytes(self) -> int:
         """Twice the bytes of the stage's state, plus room for framing: a replica sending more is refused."""
-        params = self.peer.runner.params
+        params = served(self.peer.runner, "runner").params
         return 2 * 3 * sum(p.numel() * p.element_size() for p in params) + 2**20
 
     def _refuse(self, peer_id: str, why: str) -> None:

@@ -23,8 +23,10 @@ from torch.func import functional_call, vjp, vmap
 
 try:
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _CHOOSES_KERNEL = True
 except ImportError:  # torch before 2.3 has no choice of attention kernel to make
-    SDPBackend = sdpa_kernel = None
+    _CHOOSES_KERNEL = False
 
 from swarm.model.stages import PipelineStage
 
@@ -53,13 +55,14 @@ def _attention_for_vmap(device: torch.device) -> ContextManager:
     """Attention kernels that work under ``vmap`` on ``device``. On CUDA, the memory-efficient kernel's backward
     fails on the vmapped batch ('LSE is not correctly aligned'); the math kernel handles it as one more
     batch dimension. The CPU keeps torch's choice."""
-    if device.type == "cpu" or sdpa_kernel is None:
+    if device.type == "cpu" or not _CHOOSES_KERNEL:
         return contextlib.nullcontext()
     return sdpa_kernel(SDPBackend.MATH)
 
 
-def merged_backward(module: PipelineStage, inputs: torch.Tensor, targets: Optional[torch.Tensor],
-                    cotangents: Cotangents) -> MergedBackward:
+def merged_backward(
+    module: PipelineStage, inputs: torch.Tensor, targets: Optional[torch.Tensor], cotangents: Cotangents
+) -> MergedBackward:
     """Backward of ``N`` requests stacked along a new first dimension of ``inputs`` (and ``targets``)."""
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     names = [name for name, _ in named]
@@ -73,7 +76,9 @@ def merged_backward(module: PipelineStage, inputs: torch.Tensor, targets: Option
         return output, predictive_entropy(captured.pop())
 
     vectorised = vmap(one_request, in_dims=(0, 0, None if targets is None else 0))
-    hook = module.lm_head.register_forward_hook(lambda m, i, logits: captured.append(logits)) if module.is_last else None
+    hook = (
+        module.lm_head.register_forward_hook(lambda m, i, logits: captured.append(logits)) if module.is_last else None
+    )
     try:
         with torch.enable_grad(), _attention_for_vmap(inputs.device):
             if module.is_first:
@@ -83,9 +88,10 @@ def merged_backward(module: PipelineStage, inputs: torch.Tensor, targets: Option
     finally:
         if hook is not None:
             hook.remove()
-    outputs, pullback = result[0], result[1]
-    entropies = result[2] if module.is_last else None
+    outputs, pullback, *aux = result  # aux: the entropies on the last stage (has_aux)
+    entropies = aux[0] if module.is_last else None
     with _attention_for_vmap(inputs.device):
         grads = pullback(cotangents(outputs.detach(), entropies).to(outputs.dtype))
-    return MergedBackward(list(grads[0]), None if module.is_first else grads[1],
-                          outputs.detach() if module.is_last else None)
+    return MergedBackward(
+        list(grads[0]), None if module.is_first else grads[1], outputs.detach() if module.is_last else None
+    )

@@ -17,7 +17,7 @@ instead of competing for cores); the DHT and the averager are hivemind's own pro
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from hivemind import DHT
@@ -30,6 +30,7 @@ from swarm.dht.node import identity_of, start_run_dht
 from swarm.net.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
 from swarm.dht.directory import Directory
 from swarm.model.footprint import check_peer_fits
+from swarm.model.initial_weights import CheckpointSignature, initial_stage_tensors
 from swarm.metrics import MetricsServer, PeerSnapshot, peer_families, role_registry, start_metrics_server
 from swarm.net.dialing import Dialer, dialer_for
 from swarm.net.reachability import DIAL_BACK_METHOD, Verdict, dial_back_handler
@@ -40,7 +41,8 @@ from swarm.server.averaging import StageAverager
 from swarm.server.batching import BackwardBatcher, ForwardBatcher
 from swarm.server.checkpoints import Checkpointer
 from swarm.server.compute import ComputeThread
-from swarm.server.handlers import COMPRESSED_METHODS, StageHandlers
+from swarm.server.handlers import COMPRESSED_METHODS, HandlerTable, StageHandlers
+from swarm.server.host import served
 from swarm.server.joining import Joining
 from swarm.server.lifecycle import Lifecycle, PeerState
 from swarm.server.reachability import reach_or_relay
@@ -80,13 +82,17 @@ class StagePeer:
         self.compute = ComputeThread()  # the one thread all torch work runs on
         self.announcer, self.joining, self.checkpoints = Announcer(self), Joining(self), Checkpointer(self)
         self.standby = StandbyWatch(self)  # whether this replica is too slow to be worth routing to
-        self.handlers = StageHandlers(self)
+        self.handlers: HandlerTable = StageHandlers(self)  # an emulated faulty replica wraps them (faults.py)
+        # the state this replica serves to replicas that download it: the one it holds, unless a fault says otherwise
+        self.served_state: Callable[[], Tuple[Dict[str, Any], List[torch.Tensor]]] = self.shared_state
         self._tasks: List[asyncio.Task] = []
         self.metrics_server: Optional[MetricsServer] = None  # with --metrics_port
         self.direct: Optional[DirectServer] = None  # large requests around p2pd; None with --direct_port -1
 
     @property
     def peer_id(self) -> str:
+        if self.dht is None:
+            raise RuntimeError("the peer has not started: it has no DHT, hence no peer id, yet")
         return str(self.dht.peer_id)
 
     @property
@@ -116,7 +122,9 @@ class StagePeer:
     async def start(self) -> None:
         torch.set_num_threads(self.config.num_threads)
         if self.config.metrics_port:  # first: a port in use fails the start before anything else began
-            self.metrics_server = start_metrics_server(self.config.metrics_port, role_registry(self.snapshot, peer_families), self.config.metrics_host)
+            self.metrics_server = start_metrics_server(
+                self.config.metrics_port, role_registry(self.snapshot, peer_families), self.config.metrics_host
+            )
         owns_dht = self.dht is None
         if owns_dht:
             self.dht = start_run_dht(self.config.network, self.run)
@@ -132,9 +140,12 @@ class StagePeer:
             {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler()},
             max_message_bytes=int(self.config.max_message_mb * 2**20),
             max_requests_per_caller=self.config.max_requests_per_caller,
-            max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20), authorize=Allowlist.of(self.run.allowlist).allows,
-            compression=self.run.compression, block_size=self.run.compression_block_size,
-            compress_replies=COMPRESSED_METHODS)
+            max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20),
+            authorize=Allowlist.of(self.run.allowlist).allows,
+            compression=self.run.compression,
+            block_size=self.run.compression_block_size,
+            compress_replies=COMPRESSED_METHODS,
+        )
         await self._serve_direct()
         await self.servicer.add_p2p_handlers(p2p, namespace=NAMESPACE)
         self._tasks = [asyncio.create_task(self.announcer.run()), asyncio.create_task(self.standby.run())]
@@ -156,8 +167,10 @@ class StagePeer:
             port = await direct.start()
         except OSError as e:
             direct.close()
-            logger.warning(f"cannot listen for direct calls on {hosts} port {self.config.direct_port}: {e}; "
-                           f"every call goes through p2pd")
+            logger.warning(
+                f"cannot listen for direct calls on {hosts} port {self.config.direct_port}: {e}; "
+                f"every call goes through p2pd"
+            )
             return
         self.direct = direct
         self.servicer.handlers[DIRECT_SESSION_METHOD] = direct.session
@@ -172,9 +185,18 @@ class StagePeer:
         """Take up ``stage``: build its module, get its current state, go online, start stepping."""
         check_peer_fits(self.config, stage)
         self.claim_stage(stage)
-        self.runner = StageRunner(self.run, stage, self.config.device, self.config.delay_per_sample_s,
-                                  forward_cache_bytes=int(self.config.forward_cache_mb * 2**20),
-                                  dtype=self.config.dtype, checkpoint_activations=self.config.checkpoint_activations)
+        initial = await self.compute.run(self._initial_tensors, stage) if self.config.init_from else None
+        self.runner = StageRunner(
+            self.run,
+            stage,
+            self.config.device,
+            self.config.delay_per_sample_s,
+            forward_cache_bytes=int(self.config.forward_cache_mb * 2**20),
+            dtype=self.config.dtype,
+            checkpoint_activations=self.config.checkpoint_activations,
+            initial=initial,
+        )
+        del initial  # the module holds the tensors now; no second copy stays alive
         executor = self.compute.executor
         self.batcher = ForwardBatcher(self.runner.forward_per_sample, executor, self.config.max_batch_samples)
         if self.config.merge_backward:
@@ -189,51 +211,78 @@ class StagePeer:
         await self.announcer.announce()
         logger.info(f"peer {self.peer_id} serves stage {stage} of run {self.run.run_id} at step {self.runner.step}")
 
+    def _initial_tensors(self, stage: int) -> Dict[str, torch.Tensor]:
+        """``stage``'s tensors from the local copy of the run's checkpoint (``--init_from``), checked against the
+        hashes its manifest signs."""
+        run, path = self.run, self.config.init_from
+        if path is None or not run.starts_from_checkpoint:
+            raise ValueError(
+                f"--init_from {path}: run {run.run_id!r} starts from no checkpoint (its organiser gives "
+                "one with swarm bootstrap --init_from); leave --init_from out"
+            )
+        signature = CheckpointSignature(run.init_config_sha256, run.init_stage_digests)
+        tensors = initial_stage_tensors(path, run.model, stage, run.num_stages, signature)
+        logger.info(f"stage {stage}: loaded {len(tensors)} tensors from {path}, as the manifest signs")
+        return tensors
+
     def _make_averager(self) -> StageAverager:
         config = self.config
         return self.averager_class(
-            self.runner.params, self.served_state, dht=self.dht, start=True,
-            prefix=f"{self.run.run_id}_stage{self.stage}", min_group_size=2,
+            served(self.runner, "runner").params,
+            self.served_state,
+            dht=self.dht,
+            start=True,
+            prefix=f"{self.run.run_id}_stage{self.stage}",
+            min_group_size=2,
             # a peer behind NAT is a DHT client, but its stage-mates still reach its averager (through a relay)
             client_mode=False,
-            min_matchmaking_time=config.matchmaking_time_s, request_timeout=config.matchmaking_time_s / 2,
-            allreduce_timeout=config.averaging_timeout_s, allow_state_sharing=False,
+            min_matchmaking_time=config.matchmaking_time_s,
+            request_timeout=config.matchmaking_time_s / 2,
+            allreduce_timeout=config.averaging_timeout_s,
+            allow_state_sharing=False,
             # a groupmate that stops sending parts (it gave up, died) fails the round in seconds, not at the timeout
             next_chunk_timeout=min(config.averaging_timeout_s, 3 * config.matchmaking_time_s),
-            declare_state_period=config.announce_period_s * 2, initial_group_bits="0" * 16,
+            declare_state_period=config.announce_period_s * 2,
+            initial_group_bits="0" * 16,
             allowlist=self.run.allowlist,
-            aggregation=self.run.aggregation if self.run.defences else None, signing_key=identity_of(self.dht).private_key,
-            max_samples=float(self.run.target_batch_size), ban_s=BAN_S,
-            compression=self.run.compression, block_size=self.run.compression_block_size,
+            aggregation=self.run.aggregation if self.run.defences else None,
+            signing_key=identity_of(self.dht).private_key,
+            max_samples=float(self.run.target_batch_size),
+            ban_s=BAN_S,
+            compression=self.run.compression,
+            block_size=self.run.compression_block_size,
         )
 
     def snapshot(self) -> PeerSnapshot:
         """This peer's figures now, for metrics and the progress line (any thread: reads only)."""
         runner, steps = self.runner, self.steps
         return PeerSnapshot(
-            run_id=self.run.run_id, peer_id=self.peer_id if self.dht is not None else "", state=self.state,
-            stage=self.stage, step=runner.step if runner else 0,
+            run_id=self.run.run_id,
+            peer_id=self.peer_id if self.dht is not None else "",
+            state=self.state,
+            stage=self.stage,
+            step=runner.step if runner else 0,
             samples_processed=runner.samples_processed if runner else 0,
             samples_applied=runner.samples_applied if runner else 0,
-            samples_pending=runner.samples_pending if runner else 0, queue_length=self.queued,
-            in_flight=self.in_flight, throughput=runner.meter.samples_per_s if runner else 0.0,
-            forwards=runner.num_forwards if runner else 0, recomputed=runner.num_recomputed if runner else 0,
+            samples_pending=runner.samples_pending if runner else 0,
+            queue_length=self.queued,
+            in_flight=self.in_flight,
+            throughput=runner.meter.samples_per_s if runner else 0.0,
+            forwards=runner.num_forwards if runner else 0,
+            recomputed=runner.num_recomputed if runner else 0,
             forward_cache=runner.forward_cache.stats() if runner else {},
-            banned_replicas=len(steps.banned_now()) if steps is not None else 0)
+            banned_replicas=len(steps.banned_now()) if steps is not None else 0,
+        )
 
-    def shared_state(self):
+    def shared_state(self) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
         """The stage's state as this replica holds it (what its checkpoints store): (metadata, tensors)."""
-        return self.runner.state()
-
-    def served_state(self):
-        """The state this replica serves to replicas that download it."""
-        return self.shared_state()
+        return served(self.runner, "runner").state()
 
     async def move_to(self, stage: int) -> None:
         """Leave the current stage gracefully and serve ``stage``, after downloading its state."""
         logger.info(f"rebalancing: moving from stage {self.stage} to stage {stage}")
         await self.joining.leave_stage()
-        self.averager.shutdown()
+        served(self.averager, "averager").shutdown()
         await self._serve_stage(stage)
 
     async def leave(self) -> None:
@@ -275,11 +324,15 @@ class StagePeer:
         announce period (they matter to joining and rebalancing only). Connects p2pd to the stage-mates it is
         not connected to yet, at the addresses they announce: averaging and state downloads reach them by peer
         id alone."""
-        await self.directory.read(self.directory.stages_due(self.stage, self.config.announce_period_s))
-        records = self._same_run(self.directory.records())
+        directory = self.directory
+        if directory is None:
+            raise RuntimeError("the peer has not started: it has no directory to read")
+        await directory.read(directory.stages_due(self.stage, self.config.announce_period_s))
+        records = self._same_run(directory.records())
         if self.dialer is not None:
-            await self.dialer.ensure_all(r.peer_id for r in records.values()
-                                         if r.stage == self.stage and r.peer_id != self.peer_id)
+            await self.dialer.ensure_all(
+                r.peer_id for r in records.values() if r.stage == self.stage and r.peer_id != self.peer_id
+            )
         return records
 
     def notify_progress(self) -> None:

@@ -39,8 +39,9 @@ async def reach_or_relay(dht: DHT, network: NetworkConfig, run: RunConfig, owns_
     peer_id = str(dht.peer_id)
     listen = getattr(dht, "listen_maddrs", network.host_maddrs)
     p2p = await dht.replicate_p2p()
-    maddrs = announceable([str(m) for m in dht.get_visible_maddrs(latest=True)],
-                          listens_on_any(list(listen) + network.announce_maddrs))
+    maddrs = announceable(
+        [str(m) for m in dht.get_visible_maddrs(latest=True)], listens_on_any(list(listen) + network.announce_maddrs)
+    )
     verdict = await own_verdict(p2p, listen, maddrs, network.initial_peers)
     relays = relay_addresses(network.initial_peers)
     if verdict.status == "unreachable":
@@ -50,15 +51,20 @@ async def reach_or_relay(dht: DHT, network: NetworkConfig, run: RunConfig, owns_
     if not verdict.use_relay or not owns_dht:
         return Reach(dht, maddrs, verdict)
     if not relays:
-        logger.warning("no relay to serve through: --initial_peers names no peer on another machine; "
-                       "trainers will not reach this peer")
+        logger.warning(
+            "no relay to serve through: --initial_peers names no peer on another machine; "
+            "trainers will not reach this peer"
+        )
         return Reach(dht, maddrs, verdict)
     identity = identity_of(dht)
     dht.shutdown()
     # the same peer id; a DHT client, since the other DHT nodes could not reach it to ask it anything
-    relayed = start_run_dht(network, run, client_mode=True, p2p_options=relayed_options(network.initial_peers),
-                            identity=identity)
-    logger.info(f"peer {peer_id} serves through the relays {', '.join(relays)}; its p2pd reserves a slot "
-                f"there within about 3 minutes (libp2p waits that long for more relay candidates when fewer "
-                f"than 4 are known)")
+    relayed = start_run_dht(
+        network, run, client_mode=True, p2p_options=relayed_options(network.initial_peers), identity=identity
+    )
+    logger.info(
+        f"peer {peer_id} serves through the relays {', '.join(relays)}; its p2pd reserves a slot "
+        f"there within about 3 minutes (libp2p waits that long for more relay candidates when fewer "
+        f"than 4 are known)"
+    )
     return Reach(relayed, relays, verdict)

@@ -11,7 +11,7 @@ from hivemind.utils import get_logger
 from swarm.policy.rebalance import decide_move, next_period_s
 from swarm.dht.records import to_peer_infos
 
-from swarm.server.host import CurrentStage, Loops, Records, Settings
+from swarm.server.host import CurrentStage, Loops, Records, Settings, served
 from swarm.server.lifecycle import PeerState
 
 __all__ = ["rebalance_loop", "RebalanceHost"]
@@ -29,7 +29,7 @@ async def rebalance_loop(peer: RebalanceHost) -> None:
     rng = random.Random(peer.peer_id)
     policy = peer.config.rebalance_policy
     while not peer.stopping.is_set():
-        meter = peer.runner.meter
+        meter = served(peer.runner, "runner").meter
         if not meter.served or meter.samples_per_s <= 0:  # decide on throughput measured on real work: wait for it
             await peer.sleep_or_progress(None, 0.5, 0.5)
             continue

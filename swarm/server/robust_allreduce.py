@@ -59,14 +59,35 @@ from hivemind.utils import MSGPackSerializer, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, anext
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from swarm.net.compression import (DEFAULT_BLOCK_SIZE, Compressed, CompressionError, check_block_size, check_codec,
-                               compress, decompress, num_blocks)
+from swarm.net.compression import (
+    DEFAULT_BLOCK_SIZE,
+    Compressed,
+    CompressionError,
+    check_block_size,
+    check_codec,
+    compress,
+    decompress,
+    num_blocks,
+)
 from swarm.dht.identity import peer_id_of
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing, equivocators, robust_aggregate
 
-__all__ = ["RobustRound", "Commitment", "IncompleteRound", "Packed", "agreed_contributions", "inputs_digest",
-           "decision_is_confirmed", "sign_commitment", "check_commitment", "pack", "unpack", "empty_contribution",
-           "CHUNK_ELEMENTS", "CHUNK_BYTES"]
+__all__ = [
+    "RobustRound",
+    "Commitment",
+    "IncompleteRound",
+    "Packed",
+    "agreed_contributions",
+    "inputs_digest",
+    "decision_is_confirmed",
+    "sign_commitment",
+    "check_commitment",
+    "pack",
+    "unpack",
+    "empty_contribution",
+    "CHUNK_ELEMENTS",
+    "CHUNK_BYTES",
+]
 
 logger = get_logger(__name__)
 CHUNK_ELEMENTS = 2**17  # float32 values per streamed chunk (512 KiB)
@@ -90,16 +111,30 @@ class Commitment:
         return _payload(self.group_id, self.sender, self.samples, self.size, self.sha256)
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"group_id": self.group_id, "sender": self.sender, "samples": self.samples, "size": self.size,
-                "sha256": self.sha256, "public_key": self.public_key, "signature": self.signature}
+        return {
+            "group_id": self.group_id,
+            "sender": self.sender,
+            "samples": self.samples,
+            "size": self.size,
+            "sha256": self.sha256,
+            "public_key": self.public_key,
+            "signature": self.signature,
+        }
 
     @classmethod
     def from_dict(cls, data: Any) -> "Commitment":
         if not isinstance(data, dict):
             raise ValueError("a commitment must be a dict")
         try:
-            commitment = cls(bytes(data["group_id"]), str(data["sender"]), float(data["samples"]), int(data["size"]),
-                             str(data["sha256"]), bytes(data["public_key"]), bytes(data["signature"]))
+            commitment = cls(
+                bytes(data["group_id"]),
+                str(data["sender"]),
+                float(data["samples"]),
+                int(data["size"]),
+                str(data["sha256"]),
+                bytes(data["public_key"]),
+                bytes(data["signature"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed commitment: {type(e).__name__}: {e}") from None
         return commitment
@@ -118,8 +153,9 @@ def compressed_hash(codec: str, block_size: int, data: bytes) -> str:
     return hashlib.sha256(f"{codec}/{block_size}/".encode() + data).hexdigest()
 
 
-def sign_commitment(key: RSAPrivateKey, group_id: bytes, sender: str, samples: float, size: int,
-                    sha256: str) -> Commitment:
+def sign_commitment(
+    key: RSAPrivateKey, group_id: bytes, sender: str, samples: float, size: int, sha256: str
+) -> Commitment:
     signature = key.sign(_payload(group_id, sender, samples, size, sha256))
     return Commitment(group_id, sender, float(samples), size, sha256, key.get_public_key().to_bytes(), signature)
 
@@ -149,7 +185,7 @@ class Packed:
 
 
 def _chunks(flat: torch.Tensor, chunk: int) -> List[runtime_pb2.Tensor]:
-    return [serialize_torch_tensor(flat[i:i + chunk]) for i in range(0, flat.numel(), chunk)]
+    return [serialize_torch_tensor(flat[i : i + chunk]) for i in range(0, flat.numel(), chunk)]
 
 
 def pack(vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
@@ -180,8 +216,9 @@ def _wire_length(size: int, codec: str, block_size: int) -> int:
     return size + 4 * num_blocks(size, block_size)
 
 
-def unpack(parts: Sequence[torch.Tensor], size: int, sha256: str, codec: str = "none",
-           block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+def unpack(
+    parts: Sequence[torch.Tensor], size: int, sha256: str, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE
+) -> torch.Tensor:
     """The float32 values of a received gradient, from the chunks :func:`pack` made, once their bytes match
     the signed ``sha256``; ``ValueError`` (:class:`~swarm.net.compression.CompressionError` included) otherwise."""
     if codec == "none":
@@ -203,11 +240,25 @@ class RobustRound:
     ``block_size`` say how gradients travel. ``send_override`` lets an emulated attacker send another
     vector to some members (tests and benchmarks)."""
 
-    def __init__(self, *, stub_for: Callable[[PeerID], Any], group_id: bytes, peer_ids: Sequence[PeerID], peer_id: PeerID,
-                 vector: torch.Tensor, samples: float, key: RSAPrivateKey, config: AggregationConfig,
-                 banned: Set[str], timeout: float, chunk_timeout: float, max_samples: Optional[float] = None,
-                 send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
-                 compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(
+        self,
+        *,
+        stub_for: Callable[[PeerID], Any],
+        group_id: bytes,
+        peer_ids: Sequence[PeerID],
+        peer_id: PeerID,
+        vector: torch.Tensor,
+        samples: float,
+        key: RSAPrivateKey,
+        config: AggregationConfig,
+        banned: Set[str],
+        timeout: float,
+        chunk_timeout: float,
+        max_samples: Optional[float] = None,
+        send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+        compression: str = "none",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
         self.stub_for, self.group_id, self.peer_id = stub_for, group_id, peer_id
         self.others = [p for p in peer_ids if p != peer_id]
         self.vector = vector.detach().to(torch.float32).contiguous()
@@ -236,8 +287,9 @@ class RobustRound:
 
     # ---- receiving ----
 
-    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         sender = str(context.remote_id)
         try:
             if context.remote_id not in self.others:
@@ -262,8 +314,13 @@ class RobustRound:
             logger.debug(f"refused a message of {sender}: {e}")
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
 
-    async def _receive_gradient(self, sender: str, header: Dict[str, Any], first: averaging_pb2.AveragingData,
-                                stream: AsyncIterator[averaging_pb2.AveragingData]) -> None:
+    async def _receive_gradient(
+        self,
+        sender: str,
+        header: Dict[str, Any],
+        first: averaging_pb2.AveragingData,
+        stream: AsyncIterator[averaging_pb2.AveragingData],
+    ) -> None:
         commitment = Commitment.from_dict(header.get("commitment"))
         check_commitment(commitment, self.group_id, self.size, sender)
         self._note(commitment)
@@ -339,12 +396,16 @@ class RobustRound:
 
     # ---- sending ----
 
-    async def _send(self, peer: PeerID, header: Dict[str, Any], chunks: Sequence[runtime_pb2.Tensor],
-                    until: Optional[float] = None) -> None:
+    async def _send(
+        self, peer: PeerID, header: Dict[str, Any], chunks: Sequence[runtime_pb2.Tensor], until: Optional[float] = None
+    ) -> None:
         async def messages():
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
-                                              peer_id=MSGPackSerializer.dumps(header),
-                                              tensor_part=chunks[0] if chunks else runtime_pb2.Tensor())
+            yield averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING,
+                group_id=self.group_id,
+                peer_id=MSGPackSerializer.dumps(header),
+                tensor_part=chunks[0] if chunks else runtime_pb2.Tensor(),
+            )
             for chunk in chunks[1:]:
                 yield averaging_pb2.AveragingData(tensor_part=chunk)
 
@@ -355,7 +416,9 @@ class RobustRound:
                 raise ValueError(f"{peer} answered {averaging_pb2.MessageCode.Name(reply.code)}")
 
         try:
-            await asyncio.wait_for(exchange(), max(0.0, min(self._deadline, until or self._deadline) - time.monotonic()))
+            await asyncio.wait_for(
+                exchange(), max(0.0, min(self._deadline, until or self._deadline) - time.monotonic())
+            )
         except Exception as e:
             logger.debug(f"sending to {peer} failed: {type(e).__name__}: {e}")
 
@@ -364,8 +427,11 @@ class RobustRound:
         ``empty``: no values (see :func:`empty_contribution`)."""
         loop = asyncio.get_running_loop()
         try:
-            packed = empty_contribution(self.size, self.compression, self.block_size) if empty else \
-                await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
+            packed = (
+                empty_contribution(self.size, self.compression, self.block_size)
+                if empty
+                else await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
+            )
         except CompressionError as e:
             raise IncompleteRound(f"this member's gradient cannot be sent in {self.compression}: {e}") from None
         commitment = sign_commitment(self.key, self.group_id, str(self.peer_id), self.samples, self.size, packed.sha256)
@@ -396,18 +462,24 @@ class RobustRound:
 
     async def _send_echoes(self) -> None:
         echoed = [c.to_dict() for c in list(self.commitments.values())[:MAX_ECHOED]]
-        self._send_in_background([self._send(peer, {"kind": "echo", "commitments": echoed}, ()) for peer in self.others])
+        self._send_in_background(
+            [self._send(peer, {"kind": "echo", "commitments": echoed}, ()) for peer in self.others]
+        )
 
     async def _decide(self, digest: str) -> bool:
         """Send this member's decision to the others, and wait (at most a chunk's timeout) until a strict
         majority of the group confirms it, or every other member has decided. Whether it was confirmed."""
         until = min(self._deadline, time.monotonic() + self.chunk_timeout)
-        sending = asyncio.ensure_future(asyncio.gather(
-            *(self._send(peer, {"kind": "decision", "inputs": digest}, (), until) for peer in self.others)))
+        sending = asyncio.ensure_future(
+            asyncio.gather(
+                *(self._send(peer, {"kind": "decision", "inputs": digest}, (), until) for peer in self.others)
+            )
+        )
         try:
             # a banned member's word confirms nothing; the group's size stays what it is for everyone
-            while not decision_is_confirmed(digest, {m: d for m, d in self.decisions.items() if m not in self.banned},
-                                            len(self.others) + 1):
+            while not decision_is_confirmed(
+                digest, {m: d for m, d in self.decisions.items() if m not in self.banned}, len(self.others) + 1
+            ):
                 if set(self.decisions) >= {str(p) for p in self.others} or time.monotonic() >= until:
                     return False
                 self._decision_in.clear()
@@ -442,8 +514,9 @@ class RobustRound:
         banned, equivocated = set(self.banned), equivocators(self.seen)
         # the commitment a gradient came with where this member holds it (its claim is what gets aggregated),
         # the one it saw echoed otherwise
-        digest = inputs_digest({sender: self.commitments.get(sender) or self.signed[sender]
-                                for sender in agreed - banned - equivocated})
+        digest = inputs_digest(
+            {sender: self.commitments.get(sender) or self.signed[sender] for sender in agreed - banned - equivocated}
+        )
         confirmed = await self._decide(digest)  # this member's decision counts for the others even if it sits out
         if me not in agreed:
             raise IncompleteRound("most of the group did not receive this member's gradient")
@@ -452,17 +525,25 @@ class RobustRound:
             raise IncompleteRound(f"most of the group holds gradients this member did not receive: {sorted(missing)}")
         if not confirmed:
             others = sum(d == digest for m, d in self.decisions.items() if m not in self.banned)
-            raise IncompleteRound(f"{others} of {len(self.others)} groupmates confirmed this member's inputs "
-                                  f"({len(self.decisions)} decided, banned ones not counted), not a majority of the group")
+            raise IncompleteRound(
+                f"{others} of {len(self.others)} groupmates confirmed this member's inputs "
+                f"({len(self.decisions)} decided, banned ones not counted), not a majority of the group"
+            )
         contributions = {sender: vector for sender, vector in self.received.items() if sender in agreed}
+        if self.contribution is None:
+            raise RuntimeError("this member's own gradient is unknown: the round sends it first")
         contributions[me] = self.contribution
         claims = {sender: c.samples for sender, c in self.commitments.items()}
         aggregate = await asyncio.get_running_loop().run_in_executor(
-            None, _aggregate_single_threaded, contributions, claims, self.config, banned, equivocated,
-            self.max_samples)
+            None, _aggregate_single_threaded, contributions, claims, self.config, banned, equivocated, self.max_samples
+        )
         for peer in self.others:
             if str(peer) not in contributions and str(peer) not in aggregate.excluded:
-                why = "a groupmate did not receive its gradient" if str(peer) in self.received else "sent no gradient in time"
+                why = (
+                    "a groupmate did not receive its gradient"
+                    if str(peer) in self.received
+                    else "sent no gradient in time"
+                )
                 aggregate.excluded[str(peer)] = self.refused.get(str(peer), why)
         return aggregate
 

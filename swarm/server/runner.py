@@ -35,7 +35,7 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, ContextManager, Dict, List, Mapping, Optional, Sequence, Set, Tuple, overload
 
 import torch
 from hivemind.utils import get_logger
@@ -44,7 +44,7 @@ from swarm.config.settings import RunConfig
 from swarm.model.devices import synchronize
 from swarm.model.finite import all_finite
 from swarm.model.footprint import COMPUTE_DTYPES
-from swarm.model.stages import PipelineStage, build_stage
+from swarm.model.stages import PipelineStage, build_stage, stage_skeleton
 from swarm.training.optimizer import batch_share, make_optimizer, optimizer_step
 from swarm.policy.poisoning import ContributionGuard, PoisoningConfig, trainer_of
 from swarm.server.forward_cache import CachedForward, ForwardCache, measure_saved_bytes
@@ -78,8 +78,9 @@ class FrozenStep:
     micro_batch_ids: Set[str] = field(default_factory=set)
 
 
-def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where: str) -> None:
-    """Compares shape and dtype only (wherever ``outputs`` live: no copy), then checks the values."""
+def _check_grad_outputs(grad_outputs: Any, outputs: torch.Tensor, where: str) -> torch.Tensor:
+    """``grad_outputs``, once it proves to be a tensor fit for ``outputs``. Compares shape and dtype only (wherever
+    ``outputs`` live: no copy), then checks the values."""
     if not isinstance(grad_outputs, torch.Tensor):
         raise ValueError(f"{where}: grad_outputs must be a tensor")
     if grad_outputs.shape != outputs.shape or grad_outputs.dtype != outputs.dtype:
@@ -89,6 +90,7 @@ def _check_grad_outputs(grad_outputs: torch.Tensor, outputs: torch.Tensor, where
         )
     if not all_finite(grad_outputs):
         raise ValueError(f"{where}: grad_outputs contain NaN or inf values")
+    return grad_outputs
 
 
 @dataclass
@@ -98,10 +100,10 @@ class LossScale:
     micro-batch whose gradients overflow is not accumulated and halves the scale; ``growth_interval`` clean
     micro-batches in a row double it."""
 
-    scale: float = 2.0 ** 16
+    scale: float = 2.0**16
     growth_interval: int = 200  # clean micro-batches in a row before the scale doubles
     min_scale: float = 1.0
-    max_scale: float = 2.0 ** 24
+    max_scale: float = 2.0**24
     clean: int = 0  # clean micro-batches since the scale last changed
 
     def update(self, overflowed: bool) -> None:
@@ -129,9 +131,18 @@ def _check_compute_dtype(dtype: str, device: torch.device) -> None:
 class StageRunner:
     """One replica of one stage: compute, accumulate, step, and export/import its state."""
 
-    def __init__(self, run: RunConfig, stage_index: int, device: str = "cpu", delay_per_sample_s: float = 0.0,
-                 poisoning: Optional[PoisoningConfig] = None, forward_cache_bytes: int = 0, dtype: str = "fp32",
-                 checkpoint_activations: bool = False):
+    def __init__(
+        self,
+        run: RunConfig,
+        stage_index: int,
+        device: str = "cpu",
+        delay_per_sample_s: float = 0.0,
+        poisoning: Optional[PoisoningConfig] = None,
+        forward_cache_bytes: int = 0,
+        dtype: str = "fp32",
+        checkpoint_activations: bool = False,
+        initial: Optional[Mapping[str, torch.Tensor]] = None,
+    ):
         self.run, self.stage_index, self.device = run, stage_index, torch.device(device)
         _check_compute_dtype(dtype, self.device)
         # the module's weights and gradients stay float32; autocast computes in ``dtype`` (fp16 loss-scaled)
@@ -139,12 +150,16 @@ class StageRunner:
         self.loss_scale: Optional[LossScale] = LossScale() if dtype == "fp16" else None
         self.delay_per_sample_s = delay_per_sample_s
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
-        self.module: PipelineStage = build_stage(run.model, stage_index, run.num_stages, run.seed).to(self.device)
+        # ``initial``: the stage's tensors (keyed as its state_dict) to start from instead of its seeded initialisation
+        self.module: PipelineStage = self._build_module(initial).to(self.device)
         self.module.checkpoint_activations = checkpoint_activations
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         # the optimizer steps host copies of the parameters on every device (the same tensors on the CPU)
-        self.masters = self.params if self.device.type == "cpu" else \
-            [torch.nn.Parameter(p.detach().cpu().clone()) for p in self.params]
+        self.masters = (
+            self.params
+            if self.device.type == "cpu"
+            else [torch.nn.Parameter(p.detach().cpu().clone()) for p in self.params]
+        )
         self.optimizer = make_optimizer(self.masters, run.optimizer)
         self._init_optimizer_state()
         self.lock = threading.RLock()
@@ -170,11 +185,22 @@ class StageRunner:
         self._saved_bytes: Dict[Tuple[Tuple[int, ...], torch.dtype], int] = {}  # input shape -> bytes autograd saves
         # bounds on what one trainer's micro-batches contribute (swarm.policy.poisoning); None = defences off
         self.guard = ContributionGuard(poisoning or PoisoningConfig()) if run.defences else None
-        self._deferred: List[Tuple[str, int, Sequence[torch.Tensor], float]] = []  # (trainer, batch, grads, norm) not added yet
+        self._deferred: List[
+            Tuple[str, int, Sequence[torch.Tensor], float]
+        ] = []  # (trainer, batch, grads, norm) not added yet
         self._entropy: Optional[float] = None  # mean entropy of the last stage's latest predictions (nats)
         self._merging = False  # a merged backward runs: it measures each request's entropy itself
         if self.guard is not None and self.module.is_last:
             self.module.lm_head.register_forward_hook(self._capture_entropy)
+
+    def _build_module(self, initial: Optional[Mapping[str, torch.Tensor]]) -> PipelineStage:
+        run = self.run
+        if initial is None:
+            return build_stage(run.model, self.stage_index, run.num_stages, run.seed)
+        module = stage_skeleton(run.model, self.stage_index, run.num_stages)
+        module.allocate("cpu")
+        module.load_state_dict(dict(initial), strict=True)
+        return module
 
     @property
     def where(self) -> str:
@@ -195,11 +221,22 @@ class StageRunner:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=COMPUTE_DTYPES[self.dtype])
 
+    @overload
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def _to_device(self, tensor: None) -> None: ...
+
+    @overload
+    def _to_device(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]: ...
+
     def _to_device(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if tensor is None else tensor.to(self.device)
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean") -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean"
+    ) -> torch.Tensor:
         """Stage output (hidden states, or the loss on the last stage: the mean, or with ``reduction="none"``
         one per token) without touching gradients."""
         self.module.check_inputs(inputs, targets)
@@ -226,8 +263,11 @@ class StageRunner:
         if not self.module.is_last:
             raise ValueError(f"{self.where} has no LM head: only the last stage computes logits")
         # logits need no targets: zero ids stand in for them, so that the module's checks of the inputs run unchanged
-        stand_in = torch.zeros(tuple(inputs.shape[:2]), dtype=torch.long) \
-            if isinstance(inputs, torch.Tensor) and inputs.ndim >= 2 else None
+        stand_in = (
+            torch.zeros(tuple(inputs.shape[:2]), dtype=torch.long)
+            if isinstance(inputs, torch.Tensor) and inputs.ndim >= 2
+            else None
+        )
         self.module.check_inputs(inputs, stand_in)
         with self.lock:
             self.num_forwards += 1
@@ -256,8 +296,9 @@ class StageRunner:
         self.meter.update("forward", inputs.shape[0], time.perf_counter() - start)
         return result
 
-    def _graph(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], measure: bool = False,
-               count: bool = True) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
+    def _graph(
+        self, inputs: torch.Tensor, targets: Optional[torch.Tensor], measure: bool = False, count: bool = True
+    ) -> Tuple[Optional[torch.Tensor], torch.Tensor, int]:
         """Run the forward with autograd on: (the input leaf gradients flow to, or None on the first
         stage; the outputs; bytes autograd saved for backward, when ``measure``). ``count``: a forward
         of served work (``num_forwards``), not of the replica's speed test."""
@@ -265,6 +306,7 @@ class StageRunner:
             self.num_forwards += 1
         x = self._to_device(inputs)
         leaf = None if self.module.is_first else x.detach().requires_grad_(True)
+
         def run() -> torch.Tensor:  # outputs leave (and cotangents arrive) in float32 whatever the compute dtype
             with self._autocast():
                 return self.module(x if leaf is None else leaf, self._to_device(targets)).float()
@@ -277,8 +319,12 @@ class StageRunner:
         return leaf, outputs, saved
 
     def backward(
-        self, micro_batch_id: str, inputs: torch.Tensor, grad_outputs: Optional[torch.Tensor],
-        targets: Optional[torch.Tensor] = None, accumulate: bool = True,
+        self,
+        micro_batch_id: str,
+        inputs: torch.Tensor,
+        grad_outputs: Optional[torch.Tensor],
+        targets: Optional[torch.Tensor] = None,
+        accumulate: bool = True,
     ) -> Tuple[Optional[torch.Tensor], Optional[float], int]:
         """Accumulate parameter gradients of one micro-batch; return (grad_inputs, loss, accum_step).
 
@@ -295,8 +341,11 @@ class StageRunner:
         batch = int(inputs.shape[0])
         start = time.perf_counter()
         with self.lock:
-            cached = self.forward_cache.take(micro_batch_id, self.params_version, inputs) \
-                if accumulate and self.forward_cache.enabled else None
+            cached = (
+                self.forward_cache.take(micro_batch_id, self.params_version, inputs)
+                if accumulate and self.forward_cache.enabled
+                else None
+            )
             if cached is not None:
                 leaf, outputs = cached.leaf, cached.outputs
             else:
@@ -306,8 +355,8 @@ class StageRunner:
                 if self.module.is_last:  # a down-weighted trainer's loss counts with its weight, here and below
                     grad_outputs = torch.full_like(outputs, self._loss_weight(micro_batch_id, outputs))
                 else:
-                    _check_grad_outputs(grad_outputs, outputs, self.where)
-                wrt = self.params if leaf is None else [leaf] + self.params
+                    grad_outputs = _check_grad_outputs(grad_outputs, outputs, self.where)
+                wrt = self.params if leaf is None else [leaf, *self.params]
                 grads = self._scaled_grad(outputs, wrt, self._to_device(grad_outputs))
             grad_inputs = None if leaf is None else grads[0].cpu()
             param_grads = grads if leaf is None else grads[1:]
@@ -327,8 +376,9 @@ class StageRunner:
         loss = float(outputs.detach()) if self.module.is_last else None
         return grad_inputs, loss, accum_step
 
-    def _scaled_grad(self, outputs: torch.Tensor, wrt: Sequence[torch.Tensor], cotangents: torch.Tensor
-                     ) -> Sequence[torch.Tensor]:
+    def _scaled_grad(
+        self, outputs: torch.Tensor, wrt: Sequence[torch.Tensor], cotangents: torch.Tensor
+    ) -> Sequence[torch.Tensor]:
         """Gradients of ``outputs`` along ``cotangents``; under fp16, computed on scaled cotangents and unscaled
         (in float32: the parameters are float32) before anyone reads them."""
         if self.loss_scale is None:
@@ -343,8 +393,10 @@ class StageRunner:
             scale = self.loss_scale.scale
             if accumulate:
                 self.loss_scale.update(overflowed=True)
-            raise ValueError(f"{self.where}: float16 gradients overflowed at loss scale {scale:g} (now "
-                             f"{self.loss_scale.scale:g}); not accumulated, send it again")
+            raise ValueError(
+                f"{self.where}: float16 gradients overflowed at loss scale {scale:g} (now "
+                f"{self.loss_scale.scale:g}); not accumulated, send it again"
+            )
         raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
 
     def measure_speed(self, samples: int) -> float:
@@ -390,7 +442,7 @@ class StageRunner:
             start = time.perf_counter()
             leaf, outputs, _ = self._graph(inputs, targets, count=False)
             with torch.enable_grad():
-                wrt = self.params if leaf is None else [leaf] + self.params
+                wrt = self.params if leaf is None else [leaf, *self.params]
                 torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
             synchronize(self.device)
             self._entropy = entropy
@@ -449,16 +501,21 @@ class StageRunner:
                 self.module.check_inputs(inputs, targets)
             except ValueError:
                 continue
-            if (micro_batch_id in seen or micro_batch_id in self.pending_ids or micro_batch_id in frozen_ids
-                    or micro_batch_id in self.forward_cache
-                    or (chosen and inputs.shape != requests[chosen[0]][1].shape)):
+            if (
+                micro_batch_id in seen
+                or micro_batch_id in self.pending_ids
+                or micro_batch_id in frozen_ids
+                or micro_batch_id in self.forward_cache
+                or (chosen and inputs.shape != requests[chosen[0]][1].shape)
+            ):
                 continue
             chosen.append(i)
             seen.add(micro_batch_id)
         return chosen
 
-    def _backward_merged(self, requests: Sequence[Tuple[str, Any, Any, Any]], chosen: List[int],
-                         results: List[object]) -> None:
+    def _backward_merged(
+        self, requests: Sequence[Tuple[str, Any, Any, Any]], chosen: List[int], results: List[object]
+    ) -> None:
         """One vectorised backward for ``requests[chosen]``; each is checked, weighed, clipped and accounted
         as :meth:`backward` would do it alone. Fills ``results``."""
         start = time.perf_counter()
@@ -470,6 +527,8 @@ class StageRunner:
 
         def cotangents(outputs: torch.Tensor, entropies: Optional[torch.Tensor]) -> torch.Tensor:
             if self.module.is_last:  # each request's loss weight, from its own loss and entropy
+                if entropies is None:
+                    raise RuntimeError(f"{self.where}: the merged backward gave the last stage no predictive entropies")
                 weights = []
                 for k, micro_batch_id in enumerate(ids):
                     self._entropy = float(entropies[k])
@@ -508,16 +567,18 @@ class StageRunner:
         return grad_inputs, loss, accum_step
 
     def _accumulate(self, micro_batch_id: str, batch: int, param_grads: Sequence[torch.Tensor]) -> int:
-        frozen_ids = self.frozen.micro_batch_ids if self.frozen is not None else ()
+        frozen, guard = self.frozen, self.guard
         if micro_batch_id in self.pending_ids:
             return self.accum_step
-        if micro_batch_id in frozen_ids:
-            return self.frozen.step
-        if self.guard is None:
+        if frozen is not None and micro_batch_id in frozen.micro_batch_ids:
+            return frozen.step
+        if guard is None:
             for acc, grad in zip(self.grad_sum, param_grads):
-                acc.add_(grad, alpha=batch)  # a sum of per-sample-mean gradients; divided by the global count at the step
+                acc.add_(
+                    grad, alpha=batch
+                )  # a sum of per-sample-mean gradients; divided by the global count at the step
         else:
-            self._add_guarded(trainer_of(micro_batch_id), batch, param_grads)
+            self._add_guarded(guard, trainer_of(micro_batch_id), batch, param_grads)
         self.samples_pending += batch
         self.pending_ids.add(micro_batch_id)
         return self.accum_step
@@ -540,14 +601,16 @@ class StageRunner:
 
     # ---- bounding each trainer's contribution (decisions in swarm.policy.poisoning) ----
 
-    def _add_guarded(self, trainer: str, batch: int, param_grads: Sequence[torch.Tensor]) -> None:
+    def _add_guarded(
+        self, guard: ContributionGuard, trainer: str, batch: int, param_grads: Sequence[torch.Tensor]
+    ) -> None:
         """Add a micro-batch's gradient clipped to the per-sample bound. A fresh replica holds its first
         micro-batches back until they come from enough trainers to fix a bound that no one of them sets."""
         norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in param_grads])))
-        if self.guard.weight(trainer) == 1.0:  # a down-weighted micro-batch's norm says nothing of honest ones
-            self.guard.record_norm(trainer, norm)
+        if guard.weight(trainer) == 1.0:  # a down-weighted micro-batch's norm says nothing of honest ones
+            guard.record_norm(trainer, norm)
         self._deferred.append((trainer, batch, param_grads, norm))
-        if self.guard.ready(len(self._deferred)):
+        if guard.ready(len(self._deferred)):
             self._settle_deferred()
 
     def _settle_deferred(self) -> None:
@@ -564,8 +627,11 @@ class StageRunner:
     def _log_clips(self, clips: Dict[str, float], new_offenders: Set[str]) -> None:
         for trainer, ratio in sorted(clips.items()):
             level = logging.WARNING if trainer in new_offenders else logging.INFO
-            logger.log(level, f"{self.where}: clipped micro-batches of trainer {trainer} in step {self.accum_step - 1}: "
-                              f"the largest had {ratio:.3g} times the per-sample bound's gradient norm")
+            logger.log(
+                level,
+                f"{self.where}: clipped micro-batches of trainer {trainer} in step {self.accum_step - 1}: "
+                f"the largest had {ratio:.3g} times the per-sample bound's gradient norm",
+            )
 
     def _capture_entropy(self, module: torch.nn.Module, inputs: Tuple[torch.Tensor, ...], logits: torch.Tensor) -> None:
         if self._merging:
@@ -583,8 +649,10 @@ class StageRunner:
         if micro_batch_id not in self.pending_ids and micro_batch_id not in frozen_ids:
             flagged, cleared = self.guard.record_excess(trainer, float(loss.detach()) - self._entropy)
             for outlier in sorted(flagged):
-                logger.warning(f"{self.where}: down-weighting trainer {outlier} to {self.guard.config.outlier_weight}: "
-                               f"its targets cost persistently more than the model expects")
+                logger.warning(
+                    f"{self.where}: down-weighting trainer {outlier} to {self.guard.config.outlier_weight}: "
+                    f"its targets cost persistently more than the model expects"
+                )
             for outlier in sorted(cleared):
                 logger.info(f"{self.where}: trainer {outlier} is weighted normally again")
         weight = self.guard.weight(trainer)
@@ -599,8 +667,12 @@ class StageRunner:
             if total_samples > 0:  # a step that got no samples here keeps the step count aligned, nothing more
                 for p, g in zip(self.masters, mean_grads):
                     p.grad = g.to(device=p.device, dtype=p.dtype).clone()
-                optimizer_step(self.masters, self.optimizer, self.run.optimizer,
-                               lr_scale=batch_share(total_samples, self.run.target_batch_size))
+                optimizer_step(
+                    self.masters,
+                    self.optimizer,
+                    self.run.optimizer,
+                    lr_scale=batch_share(total_samples, self.run.target_batch_size),
+                )
                 self._copy_masters_to_device()
             digest = self._digest()  # before the step moves: no reader sees the new step beside the old digest
             self.step = self.frozen.step + 1
@@ -648,8 +720,11 @@ class StageRunner:
     def export(self, with_gradients: bool = False) -> Dict[str, object]:
         with self.lock:
             names = [name for name, p in self.module.named_parameters() if p.requires_grad]
-            reply: Dict[str, object] = {"step": self.step, "names": names,
-                                        "parameters": [p.detach().cpu().clone() for p in self.masters]}
+            reply: Dict[str, object] = {
+                "step": self.step,
+                "names": names,
+                "parameters": [p.detach().cpu().clone() for p in self.masters],
+            }
             if with_gradients:
                 self._settle_deferred()
                 n = max(self.samples_pending, 1)
@@ -667,8 +742,9 @@ class StageRunner:
         with self.lock:
             return self.state_metadata(), self.state_tensors()
 
-    def load_state(self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor], dropped_from: Optional[int] = None
-                   ) -> None:
+    def load_state(
+        self, metadata: Dict[str, int], tensors: Sequence[torch.Tensor], dropped_from: Optional[int] = None
+    ) -> None:
         """Adopt another replica's (or a checkpoint's) parameters, optimizer state and step; drop local gradients.
 
         Counts the adoption in ``resets`` and sets ``reset_from`` to the lowest step whose gradients it drops:
@@ -676,10 +752,15 @@ class StageRunner:
         and ``dropped_from`` (the caller's applied steps that the adopted state does not hold)."""
         num = len(self.params)
         if metadata.get("stage") != self.stage_index or len(tensors) != 3 * num + 1:
-            raise ValueError(f"{self.where}: state of stage {metadata.get('stage')} with {len(tensors)} tensors does not fit")
+            raise ValueError(
+                f"{self.where}: state of stage {metadata.get('stage')} with {len(tensors)} tensors does not fit"
+            )
         for i, p in enumerate(self.params):  # check everything before changing anything
-            for what, t in (("parameter", tensors[i]), ("exp_avg", tensors[num + 2 * i]),
-                            ("exp_avg_sq", tensors[num + 2 * i + 1])):
+            for what, t in (
+                ("parameter", tensors[i]),
+                ("exp_avg", tensors[num + 2 * i]),
+                ("exp_avg_sq", tensors[num + 2 * i + 1]),
+            ):
                 if t.shape != p.shape:
                     raise ValueError(f"{self.where}: {what} {i} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
         if tensors[-1].numel() != 1:
@@ -695,7 +776,10 @@ class StageRunner:
             digest = self._digest()
             new_step = int(metadata["step"])
             lowest = [self.accum_step, new_step] + ([self.frozen.step] if self.frozen is not None else [])
-            self.resets, self.reset_from = self.resets + 1, min(lowest + ([dropped_from] if dropped_from is not None else []))
+            self.resets, self.reset_from = (
+                self.resets + 1,
+                min(lowest + ([dropped_from] if dropped_from is not None else [])),
+            )
             # what we accumulated was computed on parameters we give up: drop it (trainers re-send it); zeroed in
             # place, so that adopting a state never allocates another copy of the parameters' size
             for accumulated in self.grad_sum:

@@ -26,7 +26,7 @@ from hivemind.utils import get_logger
 from swarm.policy.slow_replicas import SLOW_TOLERANCE, StandbyVerdict, standby_verdict
 from swarm.dht.records import to_peer_infos
 
-from swarm.server.host import CurrentStage, Loops, Records, Settings
+from swarm.server.host import CurrentStage, Loops, Records, Settings, served
 from swarm.server.lifecycle import PeerState
 
 __all__ = ["StandbyWatch", "StandbyHost", "CHECK_PERIOD_S"]
@@ -85,7 +85,7 @@ class StandbyWatch:
     def retime_due(self) -> bool:
         """Whether to time the replica again: its figure went stale (no served call for the meter's
         ``stale_s``), or it stands by and last timed itself ``RETIME_S`` ago."""
-        stale = self.peer.runner.meter.samples_per_s <= 0
+        stale = served(self.peer.runner, "runner").meter.samples_per_s <= 0
         return stale or (self.standing_by and time.monotonic() - self.timed_at >= RETIME_S)
 
     def decide(self, snapshot) -> StandbyVerdict:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 from concurrent.futures import InvalidStateError
-from typing import Any, AsyncIterator, Awaitable, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, List, Literal, Optional, Sequence, Tuple, Union, overload
 
 import torch
 from hivemind.compression import NoCompression
@@ -34,6 +34,8 @@ __all__ = ["StateSharingAverager"]
 
 logger = get_logger(__name__)
 DECLARED_SOURCES_TIMEOUT = 30.0  # seconds to read which replicas declare their state, when a download has no timeout
+State = Tuple[Any, List[torch.Tensor]]  # (metadata, tensors) of a downloaded state
+SourcedState = Tuple[str, Any, List[torch.Tensor]]  # (peer id of the replica that sent it, metadata, tensors)
 
 
 class StateSharingAverager(PrivateAverager):
@@ -42,8 +44,9 @@ class StateSharingAverager(PrivateAverager):
     :meth:`load_state_from` and :meth:`load_state_from_peers` are called in the process that created the
     averager; the serving RPC and the downloads' network side run in the averager's own process."""
 
-    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
-                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
         """The state ``get_current_state`` returns, streamed part by part from its tensors: the only copy this
         process makes of it is the part being sent. A compressing ``state_compression`` is left to hivemind."""
         if not isinstance(self.state_compression, NoCompression):
@@ -59,8 +62,19 @@ class StateSharingAverager(PrivateAverager):
     # ---- downloading a replica's state: load_state_from and load_state_from_peers run in the peer's ----
     # ---- process, the methods after them in the averager's process ----
 
-    def load_state_from(self, peer_ids: Sequence[str], timeout: float, max_bytes: Optional[int] = None,
-                        wait: bool = True) -> Union[Optional[Tuple[str, Any, List[torch.Tensor]]], Awaitable]:
+    @overload
+    def load_state_from(
+        self, peer_ids: Sequence[str], timeout: float, max_bytes: Optional[int] = None, wait: Literal[True] = True
+    ) -> Optional[SourcedState]: ...
+
+    @overload
+    def load_state_from(
+        self, peer_ids: Sequence[str], timeout: float, max_bytes: Optional[int] = None, *, wait: Literal[False]
+    ) -> Awaitable[Optional[SourcedState]]: ...
+
+    def load_state_from(
+        self, peer_ids: Sequence[str], timeout: float, max_bytes: Optional[int] = None, wait: bool = True
+    ) -> Union[Optional[SourcedState], Awaitable[Optional[SourcedState]]]:
         """Download the state of the first of ``peer_ids`` (asked one at a time, in order) that sends one.
 
         Returns (peer id, metadata, tensors), or None when none of them did; with ``wait=False``, an awaitable
@@ -72,23 +86,46 @@ class StateSharingAverager(PrivateAverager):
         peer_ids = [str(peer_id) for peer_id in peer_ids]
         return self._download(
             lambda future, handle: self.call_in_background(
-                "_download_first", peer_ids=peer_ids, timeout=float(timeout), max_bytes=max_bytes, future=future,
-                handle=handle),
-            wait=wait, wait_s=timeout * len(peer_ids) + 5, with_source=True)
+                "_download_first",
+                peer_ids=peer_ids,
+                timeout=float(timeout),
+                max_bytes=max_bytes,
+                future=future,
+                handle=handle,
+            ),
+            wait=wait,
+            wait_s=timeout * len(peer_ids) + 5,
+            with_source=True,
+        )
 
-    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None,
-                              max_bytes: Optional[int] = None) -> Union[Optional[Tuple[Any, List[torch.Tensor]]],
-                                                                        Awaitable]:
+    @overload
+    def load_state_from_peers(
+        self, wait: Literal[True] = True, timeout: Optional[float] = None, max_bytes: Optional[int] = None
+    ) -> Optional[State]: ...
+
+    @overload
+    def load_state_from_peers(
+        self, wait: Literal[False], timeout: Optional[float] = None, max_bytes: Optional[int] = None
+    ) -> Awaitable[Optional[State]]: ...
+
+    def load_state_from_peers(
+        self, wait: bool = True, timeout: Optional[float] = None, max_bytes: Optional[int] = None
+    ) -> Union[Optional[State], Awaitable[Optional[State]]]:
         """hivemind's ``load_state_from_peers``, received as :meth:`load_state_from` receives: (metadata, tensors)
         of the replica that declares the highest priority for this stage (the next one if it sends nothing), or
         None. ``timeout`` bounds the whole call and each replica's download (None: only each part's wait)."""
         return self._download(
             lambda future, handle: self.call_in_background(
-                "_load_state_from_declared", timeout=timeout, max_bytes=max_bytes, future=future, handle=handle),
-            wait=wait, wait_s=timeout, with_source=False)
+                "_load_state_from_declared", timeout=timeout, max_bytes=max_bytes, future=future, handle=handle
+            ),
+            wait=wait,
+            wait_s=timeout,
+            with_source=False,
+        )
 
-    def _download(self, start: Callable[[MPFuture, Any], None], wait: bool, wait_s: Optional[float],
-                  with_source: bool) -> Any:
+    def _download(
+        self, start: Callable[[MPFuture, Any], None], wait: bool, wait_s: Optional[float], with_source: bool
+    ) -> Any:
         """Create the file a download goes into, let ``start`` hand it to the averager's process, and map the
         tensors it wrote once it is done; the file goes when the caller drops the tensors."""
         state_file, future = StateFile(), MPFuture()
@@ -113,8 +150,9 @@ class StateSharingAverager(PrivateAverager):
             _stop(future)
             state_file.close()
 
-    async def _load_state_from_declared(self, timeout: Optional[float], max_bytes: Optional[int], future: MPFuture,
-                                        handle: Any) -> None:
+    async def _load_state_from_declared(
+        self, timeout: Optional[float], max_bytes: Optional[int], future: MPFuture, handle: Any
+    ) -> None:
         try:
             peer_ids = await self._declared_sources(timeout)
         except Exception as e:
@@ -128,15 +166,20 @@ class StateSharingAverager(PrivateAverager):
         """The replicas declared in hivemind's download key, highest priority first (ties in random order), as
         hivemind's ``load_state_from_peers`` orders them; not this one."""
         key = f"{self.matchmaking.group_key_manager.prefix}.all_averagers"
-        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True),
-                                       timeout or DECLARED_SOURCES_TIMEOUT)
+        found = await asyncio.wait_for(
+            self.dht.get(key, latest=True, return_future=True), timeout or DECLARED_SOURCES_TIMEOUT
+        )
         declared = found.value if found is not None and isinstance(found.value, dict) else {}
-        ranked = [(float(entry.value), random.random(), PeerID(subkey)) for subkey, entry in declared.items()
-                  if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))]
+        ranked = [
+            (float(entry.value), random.random(), PeerID(subkey))
+            for subkey, entry in declared.items()
+            if isinstance(entry, ValueWithExpiration) and isinstance(entry.value, (float, int))
+        ]
         return [peer.to_base58() for _, _, peer in sorted(ranked, reverse=True) if peer != self.peer_id]
 
-    async def _download_first(self, peer_ids: List[str], timeout: Optional[float], max_bytes: Optional[int],
-                              future: MPFuture, handle: Any) -> None:
+    async def _download_first(
+        self, peer_ids: List[str], timeout: Optional[float], max_bytes: Optional[int], future: MPFuture, handle: Any
+    ) -> None:
         """Write the state of the first of ``peer_ids`` that sends one into the file ``handle`` stands for and
         resolve ``future`` with (peer id, metadata, tensor slots), or None."""
         try:
@@ -152,7 +195,8 @@ class StateSharingAverager(PrivateAverager):
                         return
                     try:
                         state = await asyncio.wait_for(
-                            self._download_state_of(PeerID.from_base58(peer_id), writer, max_bytes, future), timeout)
+                            self._download_state_of(PeerID.from_base58(peer_id), writer, max_bytes, future), timeout
+                        )
                     except Exception as e:
                         if not future.done():
                             logger.warning(f"state download from {peer_id} failed: {type(e).__name__}: {e}")
@@ -174,16 +218,18 @@ class StateSharingAverager(PrivateAverager):
         except InvalidStateError:  # the caller cancelled it meanwhile
             pass
 
-    async def _download_state_of(self, peer: PeerID, writer: StateWriter, max_bytes: Optional[int],
-                                 future: MPFuture) -> Optional[Tuple[Any, List[TensorSlot]]]:
+    async def _download_state_of(
+        self, peer: PeerID, writer: StateWriter, max_bytes: Optional[int], future: MPFuture
+    ) -> Optional[Tuple[Any, List[TensorSlot]]]:
         """(metadata, where each tensor lies) as ``peer`` streams them into ``writer``, or None if it sent no
         metadata; a part that takes longer than ``next_chunk_timeout`` to come, more than ``max_bytes`` in all,
         a malformed part or the caller giving up ends the download (see :func:`receive_state`)."""
         stub = self.get_stub(self.background_p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         try:
-            received = await receive_state(stream, writer, self.next_chunk_timeout or self.request_timeout, max_bytes,
-                                           called_off=future.done)
+            received = await receive_state(
+                stream, writer, self.next_chunk_timeout or self.request_timeout, max_bytes, called_off=future.done
+            )
         finally:
             if hasattr(stream, "aclose"):
                 await stream.aclose()

@@ -31,14 +31,24 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout
 
-__all__ = ["TransferError", "TensorSlot", "StateFile", "StateWriter", "receive_state", "stream_state",
-           "STATE_CHUNK_BYTES", "SLOT_BYTES"]
+__all__ = [
+    "TransferError",
+    "TensorSlot",
+    "StateFile",
+    "StateWriter",
+    "receive_state",
+    "stream_state",
+    "STATE_CHUNK_BYTES",
+    "SLOT_BYTES",
+]
 
 STATE_CHUNK_BYTES = 2**20  # bytes of one tensor part sent (p2pd carries up to 4 MiB per message)
 ALIGNMENT = 64  # each tensor starts at a multiple of this in the file, so any dtype can view it
 SLOT_BYTES = ALIGNMENT  # what each tensor counts toward a download's max_bytes besides its bytes: an empty one too
-DTYPES: Dict[str, torch.dtype] = {name: getattr(torch, name) for name in (
-    "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")}
+DTYPES: Dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool")
+}
 
 
 class TransferError(ValueError):
@@ -64,8 +74,9 @@ class TensorSlot(NamedTuple):
 # ---- serving ----
 
 
-def stream_state(metadata: bytes, tensors: Sequence[torch.Tensor],
-                 chunk_bytes: int = STATE_CHUNK_BYTES) -> Iterator[averaging_pb2.DownloadData]:
+def stream_state(
+    metadata: bytes, tensors: Sequence[torch.Tensor], chunk_bytes: int = STATE_CHUNK_BYTES
+) -> Iterator[averaging_pb2.DownloadData]:
     """The messages of a state download: every tensor in parts of ``chunk_bytes``, ``metadata`` with the first."""
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -86,11 +97,16 @@ def _tensor_parts(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[runtime_pb
     if dtype not in DTYPES:
         raise TransferError(f"a state tensor of dtype {tensor.dtype} cannot be sent")
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    yield runtime_pb2.Tensor(compression=runtime_pb2.CompressionType.NONE, buffer=data[:chunk_bytes].tobytes(),
-                             chunks=math.ceil(len(data) / chunk_bytes), size=tuple(tensor.shape), dtype=dtype,
-                             requires_grad=tensor.requires_grad)
+    yield runtime_pb2.Tensor(
+        compression=runtime_pb2.CompressionType.NONE,
+        buffer=data[:chunk_bytes].tobytes(),
+        chunks=math.ceil(len(data) / chunk_bytes),
+        size=tuple(tensor.shape),
+        dtype=dtype,
+        requires_grad=tensor.requires_grad,
+    )
     for start in range(chunk_bytes, len(data), chunk_bytes):
-        yield runtime_pb2.Tensor(buffer=data[start:start + chunk_bytes].tobytes())
+        yield runtime_pb2.Tensor(buffer=data[start : start + chunk_bytes].tobytes())
 
 
 # ---- receiving: in the averager's process ----
@@ -126,8 +142,10 @@ class StateWriter:
             raise TransferError("a state part continues no tensor")
         slot, data = self._slots[-1], part.buffer
         if self._written + len(data) > slot.nbytes:
-            raise TransferError(f"state tensor {len(self._slots) - 1} sent more than the {slot.nbytes} bytes "
-                                f"its shape {list(slot.shape)} holds")
+            raise TransferError(
+                f"state tensor {len(self._slots) - 1} sent more than the {slot.nbytes} bytes "
+                f"its shape {list(slot.shape)} holds"
+            )
         self._write(data, slot.offset + self._written)
         self._written += len(data)
 
@@ -139,8 +157,11 @@ class StateWriter:
     def _open_slot(self, part: runtime_pb2.Tensor) -> TensorSlot:
         index = len(self._slots)
         if part.compression != runtime_pb2.CompressionType.NONE:
-            codec = runtime_pb2.CompressionType.Name(part.compression) \
-                if part.compression in runtime_pb2.CompressionType.values() else str(part.compression)
+            codec = (
+                runtime_pb2.CompressionType.Name(part.compression)
+                if part.compression in runtime_pb2.CompressionType.values()
+                else str(part.compression)
+            )
             raise TransferError(f"state tensor {index} is compressed ({codec}): states travel uncompressed")
         if part.dtype not in DTYPES:
             raise TransferError(f"state tensor {index} has dtype {part.dtype[:32]!r}, not one of {sorted(DTYPES)}")
@@ -151,8 +172,9 @@ class StateWriter:
     def _close_slot(self) -> None:
         if self._slots and self._written != self._slots[-1].nbytes:
             slot = self._slots[-1]
-            raise TransferError(f"state tensor {len(self._slots) - 1} ended after {self._written} of "
-                                f"{slot.nbytes} bytes")
+            raise TransferError(
+                f"state tensor {len(self._slots) - 1} ended after {self._written} of {slot.nbytes} bytes"
+            )
         if self._slots:
             self._end = self._slots[-1].offset + self._slots[-1].nbytes
 
@@ -174,9 +196,13 @@ class StateWriter:
         self.close()
 
 
-async def receive_state(stream: AsyncIterator[averaging_pb2.DownloadData], writer: StateWriter,
-                        part_timeout: Optional[float], max_bytes: Optional[int],
-                        called_off: Callable[[], bool] = lambda: False) -> Optional[Tuple[bytes, List[TensorSlot]]]:
+async def receive_state(
+    stream: AsyncIterator[averaging_pb2.DownloadData],
+    writer: StateWriter,
+    part_timeout: Optional[float],
+    max_bytes: Optional[int],
+    called_off: Callable[[], bool] = lambda: False,
+) -> Optional[Tuple[bytes, List[TensorSlot]]]:
     """(serialized metadata, where each tensor lies) of one source's stream, written by ``writer``; None if
     the stream carried no metadata (the source does not share its state, or refused us).
 
@@ -229,9 +255,14 @@ class StateFile:
         if end > size:
             raise TransferError(f"a received tensor ends at byte {end}, past the end of the state's file ({size})")
         mapped = mmap.mmap(self.fileno(), end, access=mmap.ACCESS_COPY) if end else None
-        return [torch.empty(slot.shape, dtype=DTYPES[slot.dtype]) if slot.numel == 0 else
-                torch.frombuffer(mapped, dtype=DTYPES[slot.dtype], count=slot.numel, offset=slot.offset).view(
-                    slot.shape) for slot in slots]
+        return [
+            torch.empty(slot.shape, dtype=DTYPES[slot.dtype])
+            if slot.numel == 0
+            else torch.frombuffer(mapped, dtype=DTYPES[slot.dtype], count=slot.numel, offset=slot.offset).view(
+                slot.shape
+            )
+            for slot in slots
+        ]
 
     def close(self) -> None:
         """Close the peer's descriptor; tensors already mapped stay valid."""

@@ -18,17 +18,40 @@ from hivemind.utils import get_logger
 from swarm.metrics import count_ban, observe_allreduce
 from swarm.policy.aggregation import banned_by_majority
 from swarm.policy.steps import (
-    DISTRUST_S, ReplicaClaim, StageView, absent_claimants, confirmed_below, distrust_seconds, majority_group,
-    full_group_size, min_group_size, must_wait, near_target, needs_resync, others_pending, overclaimers, round_is_over,
-    rounds_before_stepping_alone, seconds_between_reads, stage_mates, step_alone, step_is_due, trusted_others,
+    DISTRUST_S,
+    ReplicaClaim,
+    StageView,
+    absent_claimants,
+    confirmed_below,
+    distrust_seconds,
+    majority_group,
+    full_group_size,
+    min_group_size,
+    must_wait,
+    near_target,
+    needs_resync,
+    others_pending,
+    overclaimers,
+    round_is_over,
+    rounds_before_stepping_alone,
+    seconds_between_reads,
+    stage_mates,
+    step_alone,
+    step_is_due,
+    trusted_others,
     unborne_step_claims,
 )
 from swarm.dht.records import (
-    CONTRIBUTION_WINDOW, MAX_EXCLUDED, PeerRecord, excluded_by, rewind_contributed, update_contributed,
+    CONTRIBUTION_WINDOW,
+    MAX_EXCLUDED,
+    PeerRecord,
+    excluded_by,
+    rewind_contributed,
+    update_contributed,
 )
 
 from swarm.server.averaging import StageAverager
-from swarm.server.host import CurrentStage, Loops, Records, Settings
+from swarm.server.host import CurrentStage, Loops, Records, Settings, served
 from swarm.server.lifecycle import PeerState
 
 __all__ = ["StepCoordinator", "StepsHost", "DISTRUST_S", "FAST_PERIOD_S", "MEMBER_HISTORY"]
@@ -103,15 +126,25 @@ class StepCoordinator:
     # ---- the view the policy decides on ----
 
     def view(self) -> StageView:
-        peer, runner = self.peer, self.peer.runner
+        peer, runner = self.peer, served(self.peer.runner, "runner")
         step, digest = runner.version
         return StageView(
-            peer_id=peer.peer_id, is_clock=peer.stage == peer.run.num_stages - 1,
-            target_batch_size=peer.run.target_batch_size, step=step, accum_step=runner.accum_step,
-            samples_pending=runner.samples_pending, samples_admitted=self.admitted, digest=digest,
-            averaging=runner.frozen is not None, others=self._others, clock_steps=self._clock_steps,
-            overlap_averaging=peer.config.overlap_averaging, voters=self._voters,
-            history=tuple(self.history) + ((step, digest),), samples_per_s=self.samples_per_s)
+            peer_id=peer.peer_id,
+            is_clock=peer.stage == peer.run.num_stages - 1,
+            target_batch_size=peer.run.target_batch_size,
+            step=step,
+            accum_step=runner.accum_step,
+            samples_pending=runner.samples_pending,
+            samples_admitted=self.admitted,
+            digest=digest,
+            averaging=runner.frozen is not None,
+            others=self._others,
+            clock_steps=self._clock_steps,
+            overlap_averaging=peer.config.overlap_averaging,
+            voters=self._voters,
+            history=tuple(self.history) + ((step, digest),),
+            samples_per_s=self.samples_per_s,
+        )
 
     def _measure_rate(self, view: StageView) -> None:
         """Update :attr:`samples_per_s` from the growth of the stage's pending samples (this replica's and the
@@ -122,23 +155,29 @@ class StepCoordinator:
         if last is None or last[1] != view.accum_step or now <= last[0]:
             return
         sample = max(0, pending - last[2]) / (now - last[0])
-        self.samples_per_s = sample if self.samples_per_s is None else (
-            RATE_MEMORY * self.samples_per_s + (1 - RATE_MEMORY) * sample)
+        self.samples_per_s = (
+            sample if self.samples_per_s is None else (RATE_MEMORY * self.samples_per_s + (1 - RATE_MEMORY) * sample)
+        )
 
     def _observe(self, records: Dict[str, PeerRecord]) -> None:
         """Take the stage's claims from a DHT snapshot, leaving out replicas caught lying."""
         peer, now = self.peer, time.monotonic()
         self._distrusted = {p: until for p, until in self._distrusted.items() if until > now}
         self._state_distrusted = {p: until for p, until in self._state_distrusted.items() if until > now}
-        claims = [ReplicaClaim(r.peer_id, r.step, r.accum_step, r.samples_pending, r.samples_admitted, r.digest)
-                  for r in records.values()
-                  if r.stage == peer.stage and r.peer_id != peer.peer_id and r.state == "online"]
+        claims = [
+            ReplicaClaim(r.peer_id, r.step, r.accum_step, r.samples_pending, r.samples_admitted, r.digest)
+            for r in records.values()
+            if r.stage == peer.stage and r.peer_id != peer.peer_id and r.state == "online"
+        ]
         self._adopt_stage_bans(records)
         self._others = trusted_others(claims, {**self._distrusted, **self._banned})
         self._voters = trusted_others(claims, {**self._state_distrusted, **self._banned})
         last = peer.run.num_stages - 1
-        self._clock_steps = tuple(r.step for r in records.values() if r.stage == last and r.state in ("online", "leaving")
-                                  and r.peer_id not in self._distrusted)
+        self._clock_steps = tuple(
+            r.step
+            for r in records.values()
+            if r.stage == last and r.state in ("online", "leaving") and r.peer_id not in self._distrusted
+        )
         self.room_may_have_changed()
 
     def _adopt_stage_bans(self, records: Dict[str, PeerRecord]) -> None:
@@ -147,13 +186,13 @@ class StepCoordinator:
         if not self.peer.run.defences:
             return
         peer = self.peer
-        votes = {**excluded_by(records, peer.stage), peer.peer_id: self.excluded()}
+        votes = {**excluded_by(records, served(peer.stage, "stage")), peer.peer_id: self.excluded()}
         for peer_id in sorted(banned_by_majority(votes) - set(self._banned) - {peer.peer_id}):
             logger.warning(f"stage {peer.stage}: excluding {peer_id} from averaging: most of the stage banned it")
             count_ban("peer", "stage_majority")
             self._banned[peer_id] = time.monotonic()
             self.distrust([peer_id], "banned from averaging by most of the stage")
-            peer.averager.ban([peer_id], BAN_S)
+            served(peer.averager, "averager").ban([peer_id], BAN_S)
 
     def distrust(self, peer_ids, why: str, transient: bool = False) -> None:
         """Ignore the claims of ``peer_ids``: for :data:`DISTRUST_S` after a proven lie, for an escalating
@@ -217,7 +256,7 @@ class StepCoordinator:
             finally:
                 self.room_may_have_changed()
             view = self.view()
-            waker = "coordinate" if near_target(view) or peer.runner.frozen is not None else None
+            waker = "coordinate" if near_target(view) or served(peer.runner, "runner").frozen is not None else None
             period = seconds_between_reads(view, peer.config.poll_period_s, peer.config.announce_period_s)
             await peer.sleep_or_progress(waker, period, FAST_PERIOD_S)
 
@@ -234,20 +273,27 @@ class StepCoordinator:
         if needs_resync(view):
             await self._resync(view)
             return
-        if peer.runner.frozen is not None or step_is_due(view):
+        if served(peer.runner, "runner").frozen is not None or step_is_due(view):
             await self._global_step(view)
 
     async def _resync(self, view: StageView) -> None:
         peer = self.peer
         ahead = [c for c in view.others if c.step > view.step]
-        logger.info(f"stage {peer.stage}: out of sync with the other replicas at step {view.step}; downloading their state")
+        logger.info(
+            f"stage {peer.stage}: out of sync with the other replicas at step {view.step}; downloading their state"
+        )
         delivered = await peer.joining.download_state(max_attempts=RESYNC_ATTEMPTS)
+        runner = served(peer.runner, "runner")
         # a claim that no download could bear out is ignored for a while (then believed again, if still made):
         # for long only where the claimant itself served a state behind its claim
-        proven, unconfirmed = unborne_step_claims({c.peer_id: c.step for c in ahead}, peer.runner.step, delivered,
-                                                  peer.joining.last_source if delivered else None,
-                                                  peer.joining.moved_on)
-        outcome = f"reached only step {peer.runner.step}" if delivered else "failed"
+        proven, unconfirmed = unborne_step_claims(
+            {c.peer_id: c.step for c in ahead},
+            runner.step,
+            delivered,
+            peer.joining.last_source if delivered else None,
+            peer.joining.moved_on,
+        )
+        outcome = f"reached only step {runner.step}" if delivered else "failed"
         claimed = max((c.step for c in ahead), default=0)
         self.distrust(proven, f"announced step {claimed}, but the state it served {outcome}")
         self.distrust(unconfirmed, f"announced step {claimed}, but the state download {outcome}", transient=True)
@@ -261,7 +307,7 @@ class StepCoordinator:
     async def _global_step(self, view: StageView) -> None:
         peer = self.peer
         claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
-        frozen = await peer.compute.run(peer.runner.freeze)
+        frozen = await peer.compute.run(served(peer.runner, "runner").freeze)
         if frozen.step != self._failed_step:
             self._failed_step, self._failed_rounds = frozen.step, 0
         mates = stage_mates(view)
@@ -270,29 +316,43 @@ class StepCoordinator:
             return
         gather = {"step": frozen.step, "samples": frozen.samples, "peer_id": peer.peer_id}
         started = time.monotonic()
-        logger.info(f"stage {peer.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
-                    f"with {len(mates)} other replicas")
+        logger.info(
+            f"stage {peer.stage}: averaging step {frozen.step} ({frozen.samples} local samples) "
+            f"with {len(mates)} other replicas"
+        )
         over = asyncio.Event()
         # with one mate, a majority past this step would have to include this replica: nothing to watch for
         watch = (lambda: self._until_round_is_over(over)) if len(mates) >= 2 else None
-        result = await peer.averager.average(
-            frozen.step, frozen.mean_grads, frozen.samples, gather,
-            matchmaking_timeout=3 * peer.config.matchmaking_time_s, timeout=peer.config.averaging_timeout_s,
-            min_group_size=min_group_size(view), full_group_size=full_group_size(view), give_up=watch)
+        result = await served(peer.averager, "averager").average(
+            frozen.step,
+            frozen.mean_grads,
+            frozen.samples,
+            gather,
+            matchmaking_timeout=3 * peer.config.matchmaking_time_s,
+            timeout=peer.config.averaging_timeout_s,
+            min_group_size=min_group_size(view),
+            full_group_size=full_group_size(view),
+            give_up=watch,
+        )
         if result is None and over.is_set():
-            logger.info(f"stage {peer.stage}: most of the stage applied step {frozen.step} without this replica; "
-                        f"catching up")
+            logger.info(
+                f"stage {peer.stage}: most of the stage applied step {frozen.step} without this replica; catching up"
+            )
             return  # the next poll downloads the stage's state; no failed round: nobody failed to average
-        logger.info(f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
-                    f"after {time.monotonic() - started:.2f}s")
+        logger.info(
+            f"stage {peer.stage}: averaging step {frozen.step} {'failed' if result is None else 'done'} "
+            f"after {time.monotonic() - started:.2f}s"
+        )
         observe_allreduce(time.monotonic() - started, ok=result is not None)
         if result is None:
             self._failed_rounds += 1
             # replicas that already failed to average a step alone with us get one round, not several
             limit = rounds_before_stepping_alone(view, MAX_FAILED_ROUNDS, {c.peer_id for c in mates} <= self._silent)
             if step_alone(self._failed_rounds, limit, view):
-                logger.warning(f"stage {peer.stage}: no replica averaged step {frozen.step} in {self._failed_rounds} "
-                               f"rounds; applying it alone")
+                logger.warning(
+                    f"stage {peer.stage}: no replica averaged step {frozen.step} in {self._failed_rounds} "
+                    f"rounds; applying it alone"
+                )
                 silent = [c.peer_id for c in mates]
                 self.distrust(silent, "announced itself online but did not average", transient=True)
                 self._silent.update(silent)
@@ -304,8 +364,7 @@ class StepCoordinator:
             logger.warning(f"stage {peer.stage}: group gathered mismatched steps {steps}; dropping this round")
             return
         self._report_exclusions(result)
-        samples = {peer_id: int(data.get("samples", 0)) for peer_id, data in gathered.items()
-                   if isinstance(data, dict)}
+        samples = {peer_id: int(data.get("samples", 0)) for peer_id, data in gathered.items() if isinstance(data, dict)}
         liars = overclaimers(claims, samples)
         if liars:
             self.distrust(liars, "announced pending samples that its all-reduce contribution did not bear out")
@@ -316,8 +375,12 @@ class StepCoordinator:
         self._delivered(gathered)
         # the samples of every gradient that went in, whatever its weight
         included = [p for p in result.included if p in samples]
-        await self.apply(result.tensors, sum(samples[p] for p in included), sorted(included),
-                         tentative=not majority_group(len(set(gathered) - set(result.banned)), view))
+        await self.apply(
+            result.tensors,
+            sum(samples[p] for p in included),
+            sorted(included),
+            tentative=not majority_group(len(set(gathered) - set(result.banned)), view),
+        )
 
     async def _until_round_is_over(self, over: asyncio.Event) -> None:
         """Watch the stage's records while this replica looks for an averaging group; return (setting
@@ -354,7 +417,9 @@ class StepCoordinator:
     def banned_now(self) -> Set[str]:
         """Stage-mates banned from averaging within the last ``BAN_S`` seconds."""
         now = time.monotonic()
-        return {p for p, t in list(self._banned.items()) if now - t < BAN_S}  # a copy: metrics read it from their thread
+        return {
+            p for p, t in list(self._banned.items()) if now - t < BAN_S
+        }  # a copy: metrics read it from their thread
 
     def excluded(self) -> List[str]:
         """Stage-mates banned from averaging within the last ``BAN_S`` seconds, newest first (for the record)."""
@@ -362,22 +427,28 @@ class StepCoordinator:
         self._banned = {p: t for p, t in self._banned.items() if now - t < BAN_S}
         return list(reversed(self._banned))[:MAX_EXCLUDED]
 
-    async def apply(self, mean_grads: Sequence, total_samples: int, members: List[str], tentative: bool = False) -> None:
+    async def apply(
+        self, mean_grads: Sequence, total_samples: int, members: List[str], tentative: bool = False
+    ) -> None:
         """Apply the frozen step with the group's mean gradient, remember who contributed, announce.
 
         ``tentative``: a minority of the stage averaged the step; trainers wait before they count its
         samples (:attr:`PeerRecord.tentative_bits`) until :meth:`_confirm` or :meth:`adopted` settles it."""
-        peer = self.peer
-        step = peer.runner.frozen.step
-        self.history.append(peer.runner.version)
-        await peer.compute.run(peer.runner.apply, mean_grads, total_samples)
+        peer, runner = self.peer, served(self.peer.runner, "runner")
+        if runner.frozen is None:
+            raise RuntimeError(f"stage {peer.stage}: no step is frozen, so there is none to apply")
+        step = runner.frozen.step
+        self.history.append(runner.version)
+        await peer.compute.run(runner.apply, mean_grads, total_samples)
         self.room_may_have_changed()
         self._failed_rounds = 0
         self.remember(step, members)
         if tentative:
             self.tentative[step] = time.monotonic()
-        logger.info(f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas"
-                    f"{' (tentative: a minority of the stage)' if tentative else ''}")
+        logger.info(
+            f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas"
+            f"{' (tentative: a minority of the stage)' if tentative else ''}"
+        )
         await peer.announcer.announce()
 
     def _confirm(self, view: StageView) -> None:
@@ -390,8 +461,10 @@ class StepCoordinator:
         below, now = confirmed_below(view), time.monotonic()
         stale = sorted(step for step, at in self.tentative.items() if step >= below and now - at > TENTATIVE_S)
         if stale:
-            logger.info(f"stage {self.peer.stage}: standing by steps {stale}: no majority of the stage confirmed or "
-                        f"replaced them in {TENTATIVE_S:.0f}s")
+            logger.info(
+                f"stage {self.peer.stage}: standing by steps {stale}: no majority of the stage confirmed or "
+                f"replaced them in {TENTATIVE_S:.0f}s"
+            )
         self.tentative = {step: at for step, at in self.tentative.items() if step >= below and step not in stale}
 
     def tentative_bits(self) -> int:

@@ -18,8 +18,13 @@ class ThroughputMeter:
     replica that gets no work (standing by, or set aside by trainers) then reads 0, unknown, rather
     than a figure from conditions long gone, and times itself anew (:meth:`StageRunner.measure_speed`)."""
 
-    def __init__(self, alpha: float = 0.2, warmup_calls: int = 1, stale_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        warmup_calls: int = 1,
+        stale_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.alpha, self.warmup_calls, self.stale_s, self.clock = alpha, warmup_calls, stale_s, clock
         self.served = 0  # served calls counted so far (a replica's own speed test is not one)
         self.cost_s: Dict[str, float] = {}

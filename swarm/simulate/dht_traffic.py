@@ -78,8 +78,11 @@ def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float
     shard_bytes = written * shard_records * model.record_bytes * model.overhead
     probe = model.chains * (mean_probe_levels(level) * lookup + shard_bytes)
     # what others send to this peer while it serves their lookups and stores is, on average, as much again
-    rates = {"store": 2 * store / model.announce_period_s, "read": 2 * one_stage * reads_per_s,
-             "probe": 2 * probe * model.num_stages / model.probe_period_s}
+    rates = {
+        "store": 2 * store / model.announce_period_s,
+        "read": 2 * one_stage * reads_per_s,
+        "probe": 2 * probe * model.num_stages / model.probe_period_s,
+    }
     rates["total"] = sum(rates.values())
     return rates
 

@@ -108,14 +108,22 @@ class _StageFlow:
 class _Run:
     """One simulated run; the heap holds (time_s, seq, kind, peer_id, payload)."""
 
-    def __init__(self, config: SimConfig, churn: Sequence[ChurnEvent], optimum: Sequence[Tuple[float, float]],
-                 rebalancing: bool, join_policy: str, steps: bool = False) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        churn: Sequence[ChurnEvent],
+        optimum: Sequence[Tuple[float, float]],
+        rebalancing: bool,
+        join_policy: str,
+        steps: bool = False,
+    ) -> None:
         if join_policy not in JOIN_POLICIES:
             raise ValueError(f"join_policy must be one of {JOIN_POLICIES}, got {join_policy!r}")
         self.config, self.rebalancing, self.join_policy = config, rebalancing, join_policy
         self.optimum = list(optimum)
-        self.router = Router(seed=config.seed, ban_base_s=1.0, ban_max_s=60.0,
-                             slow_tolerance=config.slow_replica_tolerance)
+        self.router = Router(
+            seed=config.seed, ban_base_s=1.0, ban_max_s=60.0, slow_tolerance=config.slow_replica_tolerance
+        )
         self.rng = random.Random(config.seed * 7919 + 17)
         self.join_rng = random.Random(config.seed * 7919 + 23)  # stage draws of the "random" join policy
         self.peers: Dict[str, _Peer] = {}
@@ -136,8 +144,11 @@ class _Run:
         for event in churn:
             self._push(event.time_s, event.kind, event.peer_id, event)
         self.result = RunResult(rebalancing, join_policy)
-        self.steps = StepSim(config.steps, config.num_stages, config.duration_s, self.stage_rates) \
-            if steps and config.steps.enabled else None
+        self.steps = (
+            StepSim(config.steps, config.num_stages, config.duration_s, self.stage_rates)
+            if steps and config.steps.enabled
+            else None
+        )
 
     def _push(self, time_s: float, kind: str, peer_id: str, payload=None) -> None:
         heapq.heappush(self.heap, (time_s, next(self.seq), kind, peer_id, payload))
@@ -175,8 +186,9 @@ class _Run:
         chosen = [peers[record.peer_id] for record in records]
         caps = np.array([peer.throughput if peer.alive else 0.0 for peer in chosen])
         hops = np.array([peer.hop_s for peer in chosen])
-        return _StageFlow(tuple(record.peer_id for record in records), shares, caps, float(shares @ hops),
-                          float(caps.sum()))
+        return _StageFlow(
+            tuple(record.peer_id for record in records), shares, caps, float(shares @ hops), float(caps.sum())
+        )
 
     def flow(self, now: float) -> Tuple[float, bool]:
         """Samples/s completed by the whole pipeline now, and whether trainers are the limit.
@@ -327,9 +339,16 @@ class _Run:
         optimum_index, now = 0, 0.0
         flow, trainer_bound = 0.0, False
         handlers: Dict[str, Callable[..., None]] = {
-            "join": self.on_join, "online": self.on_online, "measured": self.on_measured, "preempt": self.on_preempt,
-            "crash": self.on_crash, "detect": self.on_detect, "unban": self.on_unban, "gone": self.on_gone,
-            "tick": self.on_tick}
+            "join": self.on_join,
+            "online": self.on_online,
+            "measured": self.on_measured,
+            "preempt": self.on_preempt,
+            "crash": self.on_crash,
+            "detect": self.on_detect,
+            "unban": self.on_unban,
+            "gone": self.on_gone,
+            "tick": self.on_tick,
+        }
         heap = self.heap
         while heap and heap[0][0] <= horizon_s:
             time_s, _, kind, peer_id, payload = heapq.heappop(heap)
@@ -370,8 +389,14 @@ def _integrate(steps: Sequence[Tuple[float, float]], horizon_s: float) -> float:
     return total
 
 
-def simulate_run(config: SimConfig, churn: Sequence[ChurnEvent], optimum: Sequence[Tuple[float, float]],
-                 rebalancing: bool, join_policy: str = "auto", steps: bool = False) -> RunResult:
+def simulate_run(
+    config: SimConfig,
+    churn: Sequence[ChurnEvent],
+    optimum: Sequence[Tuple[float, float]],
+    rebalancing: bool,
+    join_policy: str = "auto",
+    steps: bool = False,
+) -> RunResult:
     """Simulate one run over ``churn``; ``optimum`` is the (time_s, samples/s) step function to compare with.
 
     ``rebalancing`` turns the periodic :func:`plan_moves` decisions on; ``join_policy``

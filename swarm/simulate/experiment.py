@@ -78,14 +78,23 @@ def run_experiment(config: SimConfig) -> dict:
     return _summary(config, churn, timeline, rebalanced, static, time.perf_counter() - started)
 
 
-def _summary(config: SimConfig, churn: Sequence[ChurnEvent], timeline: OptimumTimeline,
-             rebalanced: RunResult, static: RunResult, wall_s: float) -> dict:
+def _summary(
+    config: SimConfig,
+    churn: Sequence[ChurnEvent],
+    timeline: OptimumTimeline,
+    rebalanced: RunResult,
+    static: RunResult,
+    wall_s: float,
+) -> dict:
     hours = config.hours
     return {
         "fraction_of_optimal_rebalanced": round(rebalanced.fraction_of_optimal, 4),
         "fraction_of_optimal_static": round(static.fraction_of_optimal, 4),
         "wall_s": round(wall_s, 2),
-        "peers": config.num_peers, "stages": config.num_stages, "hours": hours, "seed": config.seed,
+        "peers": config.num_peers,
+        "stages": config.num_stages,
+        "hours": hours,
+        "seed": config.seed,
         "rebalance_period_s": config.rebalance.period_s,
         "rebalance_min_gain": config.rebalance.min_gain,
         "rebalance_max_movers_per_period": config.rebalance.max_movers_per_period,

@@ -39,10 +39,16 @@ def draw_hardware(config: SimConfig, rng: np.random.Generator, index: int) -> Ha
     else:
         weights = np.asarray(config.throughput_weights, dtype=float)
         klass = rng.choice(len(weights), p=weights / weights.sum())
-        compute = float(config.throughput_choices[klass] * rng.lognormal(0.0, config.throughput_jitter)) \
-            if config.throughput_jitter > 0 else float(config.throughput_choices[klass])
-    bandwidth = float(config.bandwidth_mbps_median * rng.lognormal(0.0, config.bandwidth_sigma)) \
-        if config.bandwidth_sigma > 0 else config.bandwidth_mbps_median
+        compute = (
+            float(config.throughput_choices[klass] * rng.lognormal(0.0, config.throughput_jitter))
+            if config.throughput_jitter > 0
+            else float(config.throughput_choices[klass])
+        )
+    bandwidth = (
+        float(config.bandwidth_mbps_median * rng.lognormal(0.0, config.bandwidth_sigma))
+        if config.bandwidth_sigma > 0
+        else config.bandwidth_mbps_median
+    )
     low_ms, high_ms = config.latency_ms_range
     return Hardware(compute, bandwidth, float(rng.uniform(low_ms, high_ms)) / 1000.0)
 

@@ -54,17 +54,31 @@ class SlowPeerScenario:
 
 def _config(scenario: SlowPeerScenario) -> SimConfig:
     return SimConfig(
-        num_peers=4, num_stages=2, hours=scenario.duration_s / 3600.0, seed=0, throughput_list=(scenario.compute,),
-        bandwidth_mbps_median=10_000.0, bandwidth_sigma=0.0, latency_ms_range=(1000 * scenario.latency_s,) * 2,
-        activation_mib_per_sample=0.01, num_trainers=scenario.num_trainers,
-        max_inflight_per_trainer=scenario.max_in_flight, microbatch_size=scenario.microbatch_size,
-        join_rate_per_h=0.0, join_time_s=scenario.join_time_s, measure_s=scenario.measure_s,
-        sample_period_s=5.0, steps=StepSimConfig(enabled=False), slow_replica_tolerance=scenario.slow_tolerance)
+        num_peers=4,
+        num_stages=2,
+        hours=scenario.duration_s / 3600.0,
+        seed=0,
+        throughput_list=(scenario.compute,),
+        bandwidth_mbps_median=10_000.0,
+        bandwidth_sigma=0.0,
+        latency_ms_range=(1000 * scenario.latency_s,) * 2,
+        activation_mib_per_sample=0.01,
+        num_trainers=scenario.num_trainers,
+        max_inflight_per_trainer=scenario.max_in_flight,
+        microbatch_size=scenario.microbatch_size,
+        join_rate_per_h=0.0,
+        join_time_s=scenario.join_time_s,
+        measure_s=scenario.measure_s,
+        sample_period_s=5.0,
+        steps=StepSimConfig(enabled=False),
+        slow_replica_tolerance=scenario.slow_tolerance,
+    )
 
 
 def _churn(scenario: SlowPeerScenario, slowdown: float) -> List[ChurnEvent]:
     def machine(compute: float) -> Hardware:
         return Hardware(compute, 10_000.0, scenario.latency_s)
+
     events = [ChurnEvent(0.0, "join", f"peer{i}", machine(scenario.compute)) for i in range(4)]
     events.append(ChurnEvent(scenario.join_at_s, "join", "slow", machine(scenario.compute / slowdown)))
     return events
@@ -78,14 +92,21 @@ def run_slow_peer_scenario(scenario: SlowPeerScenario) -> List[Dict[str, float]]
         run = simulate_run(config, _churn(scenario, slowdown), [], rebalancing=False, join_policy="auto")
         before = [flow for hour, flow, _ in run.series if hour * 3600.0 < scenario.join_at_s][-1]
         after = run.series[-1][1]
-        results.append({"slowdown": slowdown, "samples_per_s_before": round(before, 3),
-                        "samples_per_s_after": round(after, 3),
-                        "throughput_ratio_after_vs_before": round(after / before, 4) if before > 0 else 0.0,
-                        "slow_tolerance": scenario.slow_tolerance})
+        results.append(
+            {
+                "slowdown": slowdown,
+                "samples_per_s_before": round(before, 3),
+                "samples_per_s_after": round(after, 3),
+                "throughput_ratio_after_vs_before": round(after / before, 4) if before > 0 else 0.0,
+                "slow_tolerance": scenario.slow_tolerance,
+            }
+        )
     return results
 
 
 def compare(scenario: SlowPeerScenario = SlowPeerScenario()) -> Dict[str, List[Dict[str, float]]]:
     """The scenario with the policy and with throughput-proportional routing alone."""
-    return {"policy": run_slow_peer_scenario(scenario),
-            "naive": run_slow_peer_scenario(replace(scenario, slow_tolerance=math.inf))}
+    return {
+        "policy": run_slow_peer_scenario(scenario),
+        "naive": run_slow_peer_scenario(replace(scenario, slow_tolerance=math.inf)),
+    }

@@ -45,9 +45,23 @@ from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from swarm.policy.steps import (
-    ReplicaClaim, StageView, absent_claimants, distrust_seconds, full_group_size, majority_state, must_wait,
-    near_target, near_threshold, needs_resync, others_pending, others_reserved, overclaimers,
-    rounds_before_stepping_alone, step_alone, step_is_due, trusted_others,
+    ReplicaClaim,
+    StageView,
+    absent_claimants,
+    distrust_seconds,
+    full_group_size,
+    majority_state,
+    must_wait,
+    near_target,
+    near_threshold,
+    needs_resync,
+    others_pending,
+    others_reserved,
+    overclaimers,
+    rounds_before_stepping_alone,
+    step_alone,
+    step_is_due,
+    trusted_others,
 )
 from swarm.config.simulation import StepSimConfig
 
@@ -229,8 +243,15 @@ class StepSim:
         stage = self.stages[stage_index]
         self._settle(stage)
         step, digest = self._stage_state(stage)
-        replica = _Replica(peer_id, bandwidth_mbps, step, digest, step, stalled=peer_id in self.config.stalled_peers,
-                           settled_at=self.now)
+        replica = _Replica(
+            peer_id,
+            bandwidth_mbps,
+            step,
+            digest,
+            step,
+            stalled=peer_id in self.config.stalled_peers,
+            settled_at=self.now,
+        )
         replica.claim = self._claim_of(replica)
         stage.replicas[peer_id] = replica
         self.where[peer_id] = stage_index
@@ -296,17 +317,28 @@ class StepSim:
             raise RuntimeError(f"stage {stage.index} has no averaging round under way")
         return stage.round
 
-    def _view(self, stage: _Stage, replica: _Replica, claims: Tuple[ReplicaClaim, ...],
-              clock_steps: Tuple[int, ...]) -> StageView:
+    def _view(
+        self, stage: _Stage, replica: _Replica, claims: Tuple[ReplicaClaim, ...], clock_steps: Tuple[int, ...]
+    ) -> StageView:
         now = self.now
         distrusted = {p for p, until in stage.distrusted.items() if until > now}
         others = [c for c in claims if c.peer_id != replica.peer_id]
         return StageView(
-            peer_id=replica.peer_id, is_clock=stage.is_clock, target_batch_size=self.config.target_batch_size,
-            step=replica.step, accum_step=replica.accum_step, samples_pending=int(replica.pending),
-            samples_admitted=0, digest=replica.digest, averaging=stage.round is not None and replica.busy_until > now,
-            others=trusted_others(others, distrusted), clock_steps=clock_steps, voters=tuple(others),
-            history=tuple(replica.history) + ((replica.step, replica.digest),), samples_per_s=self._stage_rate(stage))
+            peer_id=replica.peer_id,
+            is_clock=stage.is_clock,
+            target_batch_size=self.config.target_batch_size,
+            step=replica.step,
+            accum_step=replica.accum_step,
+            samples_pending=int(replica.pending),
+            samples_admitted=0,
+            digest=replica.digest,
+            averaging=stage.round is not None and replica.busy_until > now,
+            others=trusted_others(others, distrusted),
+            clock_steps=clock_steps,
+            voters=tuple(others),
+            history=tuple(replica.history) + ((replica.step, replica.digest),),
+            samples_per_s=self._stage_rate(stage),
+        )
 
     def _stage_rate(self, stage: _Stage) -> float:
         """Samples/s the stage accumulates now: what a live replica measures from the growth of the stage's claims."""
@@ -375,15 +407,23 @@ class StepSim:
         delay = min(max(period, math.ceil(delay / period - 1e-9) * period), config.idle_check_period_s)
         return self.now + delay
 
-    def _resync_if_needed(self, stage: _Stage, majority: Optional[Tuple[int, str]], claims: Tuple[ReplicaClaim, ...],
-                          clock_steps: Tuple[int, ...]) -> None:
+    def _resync_if_needed(
+        self,
+        stage: _Stage,
+        majority: Optional[Tuple[int, str]],
+        claims: Tuple[ReplicaClaim, ...],
+        clock_steps: Tuple[int, ...],
+    ) -> None:
         """Replicas whose state is not the majority's ask the policy whether to download the stage's state (for
         those that hold it, the policy's answer is no)."""
         if majority is not None and all((r.step, r.digest) == majority for r in stage.replicas.values()):
             return
         for replica in list(stage.replicas.values()):
-            if not replica.active(self.now) or (replica.step, replica.digest) == majority or (
-                    stage.round is not None and replica.peer_id in stage.round.members):
+            if (
+                not replica.active(self.now)
+                or (replica.step, replica.digest) == majority
+                or (stage.round is not None and replica.peer_id in stage.round.members)
+            ):
                 continue
             if needs_resync(self._view(stage, replica, claims, clock_steps)):
                 replica.busy_until, replica.busy_cause = self.now + self.config.resync_time_s, "resync"
@@ -396,8 +436,12 @@ class StepSim:
         if replica is None or not replica.alive:
             return
         self._settle(stage)
-        others = _Stage(stage.index, stage.is_clock, {p: r for p, r in stage.replicas.items() if p != peer_id},
-                        last_state=stage.last_state)
+        others = _Stage(
+            stage.index,
+            stage.is_clock,
+            {p: r for p, r in stage.replicas.items() if p != peer_id},
+            last_state=stage.last_state,
+        )
         if any(r.alive and not r.stalled for r in others.replicas.values()):
             replica.step, replica.digest = self._stage_state(others)
         replica.accum_step, replica.pending = replica.step, 0.0
@@ -407,8 +451,9 @@ class StepSim:
     def _close(self, stage: _Stage, view: StageView) -> None:
         """Freeze the step: the replicas able to act that accumulate for it average together."""
         now = self.now
-        members = sorted(p for p, r in stage.replicas.items()
-                         if r.active(now) and not r.stalled and r.accum_step == view.accum_step)
+        members = sorted(
+            p for p, r in stage.replicas.items() if r.active(now) and not r.stalled and r.accum_step == view.accum_step
+        )
         claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
         stage.round = _Round(members, claims, [c.peer_id for c in view.others])
         for peer_id in members:
@@ -418,9 +463,14 @@ class StepSim:
             self._apply(stage, [view.peer_id])
         elif len(members) >= 2:
             matchmaking_s = 0.0 if len(members) >= full_group_size(view) else self.config.matchmaking_time_s
-            self._start_round(stage, "averaging", allreduce_time_s(
-                self.config.stage_param_mib, [stage.replicas[p].bandwidth_mbps for p in members],
-                matchmaking_s), "averaged")
+            self._start_round(
+                stage,
+                "averaging",
+                allreduce_time_s(
+                    self.config.stage_param_mib, [stage.replicas[p].bandwidth_mbps for p in members], matchmaking_s
+                ),
+                "averaged",
+            )
         else:
             self._start_round(stage, "failed_rounds", 3.0 * self.config.matchmaking_time_s, "round_failed")
 
@@ -453,8 +503,9 @@ class StepSim:
         replica = stage.replicas[members[0]]
         replica.failed_rounds += 1
         claims = tuple(self._claim_of(r) for r in stage.replicas.values())
-        limit = rounds_before_stepping_alone(self._view(stage, replica, claims, self._clock_steps()),
-                                             self.config.max_failed_rounds)
+        limit = rounds_before_stepping_alone(
+            self._view(stage, replica, claims, self._clock_steps()), self.config.max_failed_rounds
+        )
         if step_alone(replica.failed_rounds, limit):
             self.report.steps_alone += 1
             self._distrust(stage, self._round(stage).others, transient=True)

@@ -55,7 +55,7 @@ _Document = tuple[str, bytes]  # (stable name used for the split, content)
 def stdlib_source_files() -> list[Path]:
     """The ``.py`` files of this interpreter's standard library, sorted by relative path."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in _STDLIB_SKIP_DIRS]
         files.extend(Path(directory) / name for name in names if name.endswith(".py"))
@@ -130,19 +130,21 @@ def _hf_documents(name_or_path: str, split: str, text_field: str) -> Iterator[_D
     try:
         import datasets
     except ImportError as error:
-        raise ImportError(
-            "load_hf_dataset needs the Hugging Face `datasets` package: pip install swarm[hf]"
-        ) from error
+        raise ImportError("load_hf_dataset needs the Hugging Face `datasets` package: pip install swarm[hf]") from error
     builders = {".json": "json", ".jsonl": "json", ".txt": "text", ".csv": "csv", ".parquet": "parquet"}
     local = Path(name_or_path)
     if local.is_file():
         if local.suffix not in builders:
-            raise ValueError(f"name_or_path: unsupported local file type {local.suffix!r}, use one of {sorted(builders)}")
+            raise ValueError(
+                f"name_or_path: unsupported local file type {local.suffix!r}, use one of {sorted(builders)}"
+            )
         dataset = datasets.load_dataset(builders[local.suffix], data_files={split: str(local)}, split=split)
     else:
         dataset = datasets.load_dataset(name_or_path, split=split)
     if text_field not in dataset.column_names:
-        raise ValueError(f"text_field {text_field!r} is not a column of {name_or_path}; columns: {dataset.column_names}")
+        raise ValueError(
+            f"text_field {text_field!r} is not a column of {name_or_path}; columns: {dataset.column_names}"
+        )
 
     def documents() -> Iterator[_Document]:
         for row_index, text in enumerate(dataset[text_field]):
@@ -209,13 +211,13 @@ def _assign_documents(
     return splits
 
 
-def _split_documents(
-    documents: Iterable[_Document], max_bytes: Optional[int], validation_fraction: float
-) -> Corpus:
+def _split_documents(documents: Iterable[_Document], max_bytes: Optional[int], validation_fraction: float) -> Corpus:
     """Byte tokens of the documents, capped at ``max_bytes``, each one followed by the separator."""
     splits = _assign_documents(documents, max_bytes, validation_fraction)
-    joined = {side: b"".join(part for content in contents for part in (content, DOCUMENT_SEPARATOR))
-              for side, contents in splits.items()}
+    joined = {
+        side: b"".join(part for content in contents for part in (content, DOCUMENT_SEPARATOR))
+        for side, contents in splits.items()
+    }
     if not splits[False] or not splits[True]:
         # Too few documents for a split by document: split the byte stream instead, so
         # neither side is empty (the last fraction of the stream becomes validation).
@@ -280,7 +282,4 @@ def validation_batches(
         raise ValueError(f"num_batches must be a positive int, got {num_batches!r}")
     last_start = tokens.size - seq_len - 1
     starts = np.linspace(0, last_start, num=batch_size * num_batches).round().astype(np.int64)
-    return [
-        _windows(tokens, batch_starts, seq_len)
-        for batch_starts in starts.reshape(num_batches, batch_size)
-    ]
+    return [_windows(tokens, batch_starts, seq_len) for batch_starts in starts.reshape(num_batches, batch_size)]

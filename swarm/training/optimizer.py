@@ -33,10 +33,14 @@ class OptimizerConfig:
         if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = (float(betas[0]), float(betas[1]))  # YAML gives lists; keep a tuple
-        if not (isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+        if not (
+            isinstance(self.weight_decay, (int, float)) and math.isfinite(self.weight_decay) and self.weight_decay >= 0
+        ):
             raise ValueError(f"weight_decay must be a non-negative finite number, got {self.weight_decay!r}")
         if self.max_grad_norm is not None and not (
-            isinstance(self.max_grad_norm, (int, float)) and math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0
+            isinstance(self.max_grad_norm, (int, float))
+            and math.isfinite(self.max_grad_norm)
+            and self.max_grad_norm > 0
         ):
             raise ValueError(f"max_grad_norm must be a positive number or None, got {self.max_grad_norm!r}")
 
@@ -73,8 +77,9 @@ def batch_share(samples: int, target_batch_size: int) -> float:
     return min(1.0, max(0, samples) / target_batch_size)
 
 
-def optimizer_step(params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer, config: OptimizerConfig,
-                   lr_scale: float = 1.0) -> None:
+def optimizer_step(
+    params: Sequence[nn.Parameter], optimizer: torch.optim.Optimizer, config: OptimizerConfig, lr_scale: float = 1.0
+) -> None:
     """Clip (if configured), step at ``lr_scale`` times the configured rate, and zero the gradients of one
     stage's parameters."""
     if config.max_grad_norm is not None:

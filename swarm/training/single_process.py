@@ -8,11 +8,12 @@ clipping, when enabled, is per stage, because a stage peer only sees its own gra
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Union
 
 import torch
 
-from swarm.training.data import BatchSampler, Corpus
+from swarm.training.data import Corpus
+from swarm.training.tokenized import TokenizedCorpus, make_sampler
 from swarm.model.gpt import ModelConfig
 from swarm.model.stages import FullModel
 from swarm.training.optimizer import OptimizerConfig, make_optimizer, optimizer_step
@@ -37,9 +38,10 @@ def train_single_process(
     batch_size: int,
     num_steps: int,
     sampler_seed: int,
-    corpus: Corpus,
+    corpus: Union[Corpus, TokenizedCorpus],
 ) -> tuple[FullModel, list[float]]:
-    """Train from the swarm's initialisation for ``num_steps`` steps of ``batch_size`` samples.
+    """Train from the swarm's initialisation for ``num_steps`` steps of ``batch_size`` samples (byte windows of a
+    :class:`Corpus` drawn with ``sampler_seed``, or the samples of a :class:`TokenizedCorpus`, seeded when made).
 
     Returns the model and the training loss of every step (measured before that step's update).
     """
@@ -49,7 +51,7 @@ def train_single_process(
     model = FullModel(model_config, num_stages, seed)
     stage_params = [list(stage.parameters()) for stage in model.stages]
     optimizers = [make_optimizer(params, optimizer_config) for params in stage_params]
-    sampler = BatchSampler(corpus.train, model_config.seq_len, batch_size, sampler_seed)
+    sampler = make_sampler(corpus, model_config.seq_len, batch_size, sampler_seed)
     losses = []
     for _ in range(num_steps):
         inputs, targets = sampler.sample()

@@ -12,13 +12,20 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, TypedDict, Union
 
 import numpy as np
 import torch
 
-from swarm.training.data import (DEFAULT_VALIDATION_FRACTION, BatchSampler, Corpus, PathLike, _assign_documents,
-                                 _documents, _hf_documents)
+from swarm.training.data import (
+    DEFAULT_VALIDATION_FRACTION,
+    BatchSampler,
+    Corpus,
+    PathLike,
+    _assign_documents,
+    _documents,
+    _hf_documents,
+)
 
 if TYPE_CHECKING:
     from swarm.training.tokenizer import RunTokenizer
@@ -33,6 +40,13 @@ _POLL_S = 0.1  # seconds between the tokenizing thread's checks of whether it is
 def _positive_int(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class _Encoding(TypedDict, total=False):
+    """How a :class:`RunTokenizer` batches and cuts the text (``encode_documents``); a key left out takes its default."""
+
+    batch_chars: int
+    piece_chars: int
 
 
 class TokenizedCorpus:
@@ -50,10 +64,20 @@ class TokenizedCorpus:
     :func:`validation_batches` reads as it reads a byte corpus's.
     """
 
-    def __init__(self, train_texts: Sequence[str], validation_texts: Sequence[str], tokenizer: "RunTokenizer",
-                 seq_len: int, seed: int, *, shuffle: bool = True, queue_samples: int = QUEUE_SAMPLES,
-                 sample_timeout_s: float = SAMPLE_TIMEOUT_S, batch_chars: Optional[int] = None,
-                 piece_chars: Optional[int] = None):
+    def __init__(
+        self,
+        train_texts: Sequence[str],
+        validation_texts: Sequence[str],
+        tokenizer: "RunTokenizer",
+        seq_len: int,
+        seed: int,
+        *,
+        shuffle: bool = True,
+        queue_samples: int = QUEUE_SAMPLES,
+        sample_timeout_s: float = SAMPLE_TIMEOUT_S,
+        batch_chars: Optional[int] = None,
+        piece_chars: Optional[int] = None,
+    ):
         _positive_int("seq_len", seq_len)
         _positive_int("queue_samples", queue_samples)
         if not sample_timeout_s > 0:
@@ -65,8 +89,11 @@ class TokenizedCorpus:
         self.tokenizer, self.seq_len, self.seed, self.shuffle = tokenizer, seq_len, seed, shuffle
         self.sample_timeout_s = sample_timeout_s
         # how the tokenizer batches and cuts the text (None: its defaults)
-        self._encoding = {name: value for name, value in (("batch_chars", batch_chars), ("piece_chars", piece_chars))
-                          if value is not None}
+        self._encoding = _Encoding()
+        if batch_chars is not None:
+            self._encoding["batch_chars"] = batch_chars
+        if piece_chars is not None:
+            self._encoding["piece_chars"] = piece_chars
         self.epoch = 0  # epochs of the train documents the thread has finished
         self._validation: Optional[np.ndarray] = None
         self._validation_lock = threading.Lock()
@@ -89,7 +116,7 @@ class TokenizedCorpus:
 
     def _produce(self) -> None:
         rng = np.random.default_rng(self.seed)  # local: never touches numpy's global state
-        carry = np.empty(0, dtype=np.int32)  # the stream's tail, not yet a whole sample
+        carry: Optional[np.ndarray] = np.empty(0, dtype=np.int32)  # the stream's tail, not yet a whole sample
         while not self._stop.is_set():
             order = rng.permutation(len(self._train)) if self.shuffle else range(len(self._train))
             epoch_tokens = 0
@@ -101,8 +128,9 @@ class TokenizedCorpus:
                 if carry is None:
                     return
             if epoch_tokens < self.seq_len + 1:
-                raise ValueError(f"the train documents hold {epoch_tokens} tokens: need at least seq_len + 1 = "
-                                 f"{self.seq_len + 1}")
+                raise ValueError(
+                    f"the train documents hold {epoch_tokens} tokens: need at least seq_len + 1 = {self.seq_len + 1}"
+                )
             self.epoch += 1
 
     def _emit(self, stream: np.ndarray) -> Optional[np.ndarray]:
@@ -110,9 +138,9 @@ class TokenizedCorpus:
         count = max(0, (stream.size - 1) // self.seq_len)
         for index in range(count):
             start = index * self.seq_len
-            if not self._put(stream[start:start + self.seq_len + 1].copy()):
+            if not self._put(stream[start : start + self.seq_len + 1].copy()):
                 return None
-        return stream[count * self.seq_len:]
+        return stream[count * self.seq_len :]
 
     def _put(self, sample: np.ndarray) -> bool:
         while not self._stop.is_set():
@@ -128,8 +156,9 @@ class TokenizedCorpus:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"tokenizing the corpus failed: {type(self._error).__name__}: {self._error}") \
-                from self._error
+            raise RuntimeError(
+                f"tokenizing the corpus failed: {type(self._error).__name__}: {self._error}"
+            ) from self._error
         if self._stop.is_set():
             raise RuntimeError("the tokenized corpus is closed")
 
@@ -158,9 +187,12 @@ class TokenizedCorpus:
         """The validation documents' ids, each document followed by the separator (int32)."""
         with self._validation_lock:
             if self._validation is None:
-                self._validation = np.concatenate([np.empty(0, dtype=np.int32),
-                                                   *self.tokenizer.encode_documents(self._validation_texts,
-                                                                                    **self._encoding)])
+                self._validation = np.concatenate(
+                    [
+                        np.empty(0, dtype=np.int32),
+                        *self.tokenizer.encode_documents(self._validation_texts, **self._encoding),
+                    ]
+                )
             return self._validation
 
     @property
@@ -199,13 +231,16 @@ class TokenizedSampler:
         return torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
 
 
-def make_sampler(corpus: Union[Corpus, TokenizedCorpus], seq_len: int, batch_size: int,
-                 seed: int) -> Union[BatchSampler, TokenizedSampler]:
+def make_sampler(
+    corpus: Union[Corpus, TokenizedCorpus], seq_len: int, batch_size: int, seed: int
+) -> Union[BatchSampler, TokenizedSampler]:
     """The sampler a trainer draws micro-batches from: random byte windows of a :class:`Corpus` (seeded by
     ``seed``), or the queued samples of a :class:`TokenizedCorpus` (seeded when it was made)."""
     if isinstance(corpus, TokenizedCorpus):
         if corpus.seq_len != seq_len:
-            raise ValueError(f"the tokenized corpus cuts samples of seq_len {corpus.seq_len}, the model needs {seq_len}")
+            raise ValueError(
+                f"the tokenized corpus cuts samples of seq_len {corpus.seq_len}, the model needs {seq_len}"
+            )
         return TokenizedSampler(corpus, batch_size)
     return BatchSampler(corpus.train, seq_len, batch_size, seed)
 
@@ -225,8 +260,8 @@ def _cut_texts(texts: Sequence[str], validation_fraction: float) -> Tuple[List[s
         elif seen >= cut:
             validation.append(text)
         else:
-            train.append(text[:cut - seen])
-            validation.append(text[cut - seen:])
+            train.append(text[: cut - seen])
+            validation.append(text[cut - seen :])
         seen += len(text)
     return train, validation
 
@@ -247,8 +282,9 @@ def load_tokenized_corpus(
     sample: a corpus too small for one sample fails here, not in the trainer's first step."""
     documents = _hf_documents(hf_dataset, "train", "text") if hf_dataset else _documents(paths)
     splits = _assign_documents(documents, max_bytes, validation_fraction)
-    texts = {side: [content.decode("utf-8", errors="replace") for content in contents]
-             for side, contents in splits.items()}
+    texts = {
+        side: [content.decode("utf-8", errors="replace") for content in contents] for side, contents in splits.items()
+    }
     del splits
     if not texts[False] or not texts[True]:
         texts[False], texts[True] = _cut_texts(texts[False] or texts[True], validation_fraction)

@@ -85,8 +85,14 @@ class RunTokenizer:
         encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         return [np.asarray(encoding.ids, dtype=np.int32) for encoding in encodings]
 
-    def encode_documents(self, texts: Sequence[str], order: Optional[Iterable[int]] = None, *,
-                         batch_chars: int = ENCODE_BATCH_CHARS, piece_chars: int = PIECE_CHARS) -> Iterator[np.ndarray]:
+    def encode_documents(
+        self,
+        texts: Sequence[str],
+        order: Optional[Iterable[int]] = None,
+        *,
+        batch_chars: int = ENCODE_BATCH_CHARS,
+        piece_chars: int = PIECE_CHARS,
+    ) -> Iterator[np.ndarray]:
         """The ids of ``texts`` (in ``order``, by default as given), each document followed by the separator:
         one int32 array per encoding call of about ``batch_chars`` characters, so that a caller can use the
         first ids before the last document is read. Long documents go in pieces (:func:`split_text`)."""
@@ -102,9 +108,11 @@ class RunTokenizer:
     def check_vocab_size(self, model_vocab_size: int) -> None:
         """Raise :class:`TokenizerError` unless the model has exactly one embedding row per token."""
         if model_vocab_size != self.vocab_size:
-            raise TokenizerError(f"the run's model has vocab_size {model_vocab_size}, but the tokenizer {self.source} "
-                                 f"(SHA-256 {self.sha256}) has {self.vocab_size} tokens: set the run's vocab_size to "
-                                 f"{self.vocab_size}")
+            raise TokenizerError(
+                f"the run's model has vocab_size {model_vocab_size}, but the tokenizer {self.source} "
+                f"(SHA-256 {self.sha256}) has {self.vocab_size} tokens: set the run's vocab_size to "
+                f"{self.vocab_size}"
+            )
 
 
 def split_text(text: str, piece_chars: int = PIECE_CHARS) -> List[str]:
@@ -134,8 +142,9 @@ def split_text(text: str, piece_chars: int = PIECE_CHARS) -> List[str]:
     return pieces
 
 
-def _batches(texts: Sequence[str], order: Iterable[int], batch_chars: int,
-             piece_chars: int) -> Iterator[List[Tuple[str, bool]]]:
+def _batches(
+    texts: Sequence[str], order: Iterable[int], batch_chars: int, piece_chars: int
+) -> Iterator[List[Tuple[str, bool]]]:
     """The texts in ``order`` as batches of (piece, whether it ends its document) of at most
     ``batch_chars`` characters (a longer piece goes alone)."""
     if isinstance(batch_chars, bool) or not isinstance(batch_chars, int) or batch_chars < 1:
@@ -171,8 +180,10 @@ def file_sha256(path: PathLike) -> str:
 def check_sha256(actual: str, expected: str, source: str) -> None:
     """Raise :class:`TokenizerError` naming both hashes if a tokenizer is not the one the run names."""
     if actual != expected:
-        raise TokenizerError(f"the tokenizer {source} has SHA-256 {actual}, but the run names {expected}: "
-                             f"refusing it (another file, or a changed or damaged copy)")
+        raise TokenizerError(
+            f"the tokenizer {source} has SHA-256 {actual}, but the run names {expected}: "
+            f"refusing it (another file, or a changed or damaged copy)"
+        )
 
 
 def read_tokenizer_file(path: PathLike) -> bytes:
@@ -194,24 +205,31 @@ def read_tokenizer_file(path: PathLike) -> bytes:
 def tokenizer_from_bytes(data: bytes, source: str) -> RunTokenizer:
     """Parse the bytes of a tokenizer.json; :class:`TokenizerError` if they are no tokenizer a run can use."""
     if len(data) > MAX_TOKENIZER_BYTES:
-        raise TokenizerError(f"the tokenizer {source} has {len(data)} bytes, more than the {MAX_TOKENIZER_BYTES} accepted")
+        raise TokenizerError(
+            f"the tokenizer {source} has {len(data)} bytes, more than the {MAX_TOKENIZER_BYTES} accepted"
+        )
     try:
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
     except Exception as e:  # UnicodeDecodeError, and the library's own untyped Exception for a bad file
         raise TokenizerError(f"{source} is not a tokenizer.json: {e}") from None
     separator_id = tokenizer.token_to_id(DOCUMENT_SEPARATOR_TOKEN)
     if separator_id is None:
-        raise TokenizerError(f"the tokenizer {source} has no {DOCUMENT_SEPARATOR_TOKEN} token to separate documents with")
+        raise TokenizerError(
+            f"the tokenizer {source} has no {DOCUMENT_SEPARATOR_TOKEN} token to separate documents with"
+        )
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     if max(tokenizer.get_vocab(with_added_tokens=True).values()) != vocab_size - 1:
-        raise TokenizerError(f"the tokenizer {source} leaves gaps in its token ids: a model needs ids 0..{vocab_size - 1}")
+        raise TokenizerError(
+            f"the tokenizer {source} leaves gaps in its token ids: a model needs ids 0..{vocab_size - 1}"
+        )
     # the text's own spelling of a special token stays text: only the corpus inserts separators
     tokenizer.encode_special_tokens = True
     return RunTokenizer(tokenizer, sha256_of_bytes(data), vocab_size, separator_id, source)
 
 
-def load_tokenizer(path: PathLike, expected_sha256: Optional[str] = None,
-                   vocab_size: Optional[int] = None) -> RunTokenizer:
+def load_tokenizer(
+    path: PathLike, expected_sha256: Optional[str] = None, vocab_size: Optional[int] = None
+) -> RunTokenizer:
     """The tokenizer in the file at ``path``, checked against the run's hash and model vocabulary when given."""
     tokenizer = tokenizer_from_bytes(read_tokenizer_file(path), str(path))
     if expected_sha256 is not None:
@@ -227,8 +245,10 @@ def load_tokenizer(path: PathLike, expected_sha256: Optional[str] = None,
 def _check_training_args(paths: Sequence[PathLike], vocab_size: int, out_path: Path) -> None:
     """Refuse bad input before spending minutes on training."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB_SIZE:
-        raise TokenizerError(f"vocab_size must be an integer of at least {MIN_VOCAB_SIZE} (256 bytes + "
-                             f"{len(SPECIAL_TOKENS)} special token), got {vocab_size!r}")
+        raise TokenizerError(
+            f"vocab_size must be an integer of at least {MIN_VOCAB_SIZE} (256 bytes + "
+            f"{len(SPECIAL_TOKENS)} special token), got {vocab_size!r}"
+        )
     if not paths:
         raise TokenizerError("no data to train on: name at least one text file or directory")
     for path in paths:
@@ -248,7 +268,8 @@ class _Texts:
     (the library runs the iterator from its own code, which would blur the reason)."""
 
     def __init__(self, paths: Sequence[PathLike]):
-        self.paths, self.num_chars, self.error = paths, 0, None
+        self.paths, self.num_chars = paths, 0
+        self.error: Optional[Exception] = None  # why reading the documents stopped, if it did
 
     def __iter__(self) -> Iterator[str]:
         try:
@@ -278,9 +299,13 @@ def train_tokenizer(files: Iterable[PathLike], vocab_size: int, out_path: PathLi
     out = Path(out_path).expanduser()
     _check_training_args(paths, vocab_size, out)
     tokenizer = _new_tokenizer()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=MIN_MERGE_FREQUENCY,
-                                  special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=MIN_MERGE_FREQUENCY,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     texts = _Texts(paths)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     if texts.error is not None:
@@ -338,7 +363,9 @@ def load_run_tokenizer(path: Optional[PathLike], sha256: str, vocab_size: int, c
     if path is None:
         path = find_cached(sha256, cache_dir)
         if path is None:
-            raise TokenizerError(f"the run uses the tokenizer {sha256}, which is not in the cache {cache_dir}: "
-                                 f"give its file with --tokenizer PATH, or join with --join ADDRESS to fetch it "
-                                 f"from the organiser")
+            raise TokenizerError(
+                f"the run uses the tokenizer {sha256}, which is not in the cache {cache_dir}: "
+                f"give its file with --tokenizer PATH, or join with --join ADDRESS to fetch it "
+                f"from the organiser"
+            )
     return load_tokenizer(path, sha256, vocab_size)

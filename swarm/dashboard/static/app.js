@@ -178,6 +178,23 @@ function renderJoin(join) {
       : "Waiting for a peer to tell the run's model and optimizer settings; a joiner must give the same ones.";
 }
 
+// The latest text sampled from the run's model (hidden until there is one): the prompt in bold, then the
+// continuation, then when and how fast it was sampled, or why sampling failed.
+function renderSample(sample) {
+  $("sample-section").hidden = !sample;
+  if (!sample) return;
+  $("sample-prompt").textContent = sample.prompt;
+  $("sample-text").textContent = sample.text;
+  const minutes = Math.max(0, Date.now() / 1000 - sample.sampled_at) / 60;
+  const ago = minutes < 1 ? "less than a minute ago" : `${Math.floor(minutes)} min ago`;
+  const step = sample.step === null ? "step \u2013" : `step ${sample.step}`;
+  const meta = $("sample-meta");
+  meta.className = sample.error ? "note error" : "note";
+  meta.textContent = sample.error
+    ? `sampling failed (${step}, ${ago}): ${sample.error}`
+    : `${step}, ${fmt(sample.tokens_per_s, 1)} tokens/s, ${ago}`;
+}
+
 function render(state) {
   renderHeader(state);
   renderTables(state);
@@ -186,6 +203,7 @@ function render(state) {
   drawChart($("throughput-chart"), h.t, h.samples_per_s, {color: "#15803d", digits: 1, floor: 0});
   drawChart($("steps-chart"), h.t, h.global_step, {color: "#7c3aed", digits: 0, step: true, floor: 0, marks: state.steps});
   renderJoin(state.join);
+  renderSample(state.sample);
 }
 
 async function poll() {
