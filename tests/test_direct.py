@@ -126,6 +126,26 @@ async def test_an_unauthorized_caller_is_refused_on_the_direct_port_too():
         assert len(channel.idle) == 1  # a request answered unread was skipped: the connection stays in step
 
 
+async def test_a_connection_cancelled_at_shutdown_ends_without_an_unhandled_error():
+    loop = asyncio.get_running_loop()
+    reported: List[Dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        async with _Served() as served:
+            reader, writer = await asyncio.open_connection("127.0.0.1", served.server.port)
+            await await_until(lambda: served.server._writers, 10, "the server to take the connection")
+            serving = [task for task in asyncio.all_tasks() if "_serve" in repr(task.get_coro())]
+            assert serving, "the connection's serving task"
+            for task in serving:
+                task.cancel()  # what the loop does to its tasks when the peer shuts down
+            await asyncio.sleep(0.1)
+            writer.close()
+        assert reported == [], reported
+    finally:
+        loop.set_exception_handler(previous)
+
+
 async def test_a_caller_holds_one_session_at_a_time():
     async with _Served() as served:
         first = await served.server.session({}, CALLER)

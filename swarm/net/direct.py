@@ -193,6 +193,10 @@ class DirectServer:
                 pass
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError, InvalidTag) as e:
             logger.debug(f"a direct connection ended: {type(e).__name__}: {e}")
+        except asyncio.CancelledError:
+            # the loop is shutting down: end quietly, since asyncio's stream callback on Python 3.11 logs a
+            # cancelled connection task as an unhandled error
+            logger.debug("a direct connection was cancelled")
         finally:
             self._writers.discard(writer)
             writer.close()
