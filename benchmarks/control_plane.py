@@ -1,31 +1,27 @@
-"""Control-plane benchmark: DHT traffic per peer, record sizes, largest message and lookup latency, live and modelled.
+"""Control-plane benchmark: the bytes a stage peer, a trainer and the bootstrap spend on coordination, live and modelled.
 
-Live: N real hivemind ``DHTNode``s on loopback in this one process (each node still starts its own
-``p2pd``: a daemon holds a single libp2p identity), each with its own RSA key and the run's
-validators (``RSASignatureValidator`` + the run schema), each acting as a stage peer does: it keeps a
-:class:`swarm.dht.directory.Directory` and stores a full-size ``PeerRecord`` through it every announce
-period. ``--pollers`` of them (spread over the stages) also poll it every poll period (their own
-stage every poll, the other stages every announce period, probes when due): a hivemind lookup costs
-its reader 0.1-0.5 s of CPU, so one process cannot poll for hundreds of nodes, and the traffic per
-poll is what one poller measures. The others probe their stage whenever a live peer's poll would
-(``--concurrent_probes`` at a time), so that they store at the levels a live peer of that stage
-would. Every node stores once before anyone reads. On 2 cores N nodes cannot keep the live periods,
-so all periods are stretched by ``max(1, N / --nodes_per_core_s)`` alike (the mix of reads, stores
-and probes stays that of a live peer), and bytes are measured *per operation*: every DHT RPC's
-request and reply, serialized (``P2P.call_protobuf_handler``, so libp2p's framing and encryption are
-left out), is charged to the store or poll that made it. Per-peer traffic at the live periods =
-2 x (bytes per store / announce period + bytes per poll / poll period): each byte leaves one node
-and reaches another. Each poller's view is reported as the share of the swarm's records it holds at
-the end (``view_share_min``, the smallest).
+Live (``--layouts``, needs root): a whole swarm at the default periods (announce 30 s, expiration 120 s,
+poll 0.25 s near a step, trainer refresh 30 s), every role on its own host of ``peers/netns.py``
+(198.18.0.0/15, one bridge), counted at each host's link, so libp2p's framing, Noise, yamux and TCP are
+in (``benchmarks/_control_hosts.py``). Each layout ``STAGESxREPLICAS+TRAINERS`` is measured in two windows:
+idle (every peer online, no trainer yet: all its link carries is control traffic) and training (the
+trainers train; control bytes = link bytes - the metered forward/backward payloads - an all-reduce
+estimate, an upper bound). 64 live nodes and 16 trainers do not fit this machine's memory (about 300 MB
+a role); ``8x4+8`` is the largest 8-stage layout measured here.
 
-Simulated: :mod:`swarm.simulate.dht_traffic`, its per-byte overhead calibrated on the live figures,
-at 1,000 and 10,000 peers; the largest message there is one shard's value.
+Simulated: :mod:`swarm.simulate.dht_traffic` at the default periods, its per-byte overhead fitted to the
+idle live rows, plus progress calls (:class:`ProgressModel`: one exchange's bytes from the encoded
+messages, calls only near each step), at 1,000 and 10,000 peers and 8 and 64 stages.
+
+Emulated (``--peers``, off by default): N DHT nodes in this one process storing and polling as a peer
+does, bytes per DHT operation (serialized messages, no framing), as the earlier versions measured.
 
 Also measured: the CPU a node spends checking one lookup answer that holds a full shard, with hivemind's
 validators alone and once the node remembers records it accepted (:mod:`swarm.dht.validator_cache`).
 
-Last line: a JSON list of ``{"peers", "dht_bytes_per_s_per_peer", "max_record_bytes", "lookup_ms_p50",
-"source"}`` rows, with the largest message, the directory level and ``check_ms_per_shard_answer`` per row.
+Last line: a JSON list of ``{"stages", "peers", "trainers", "phase", "bytes_per_s_per_peer_in_plus_out",
+"bytes_per_s_per_peer_max", "bytes_per_s_per_trainer", "bootstrap_bytes_per_s", "source"}`` rows (``source``
+"live" or "simulated"; emulated rows have their own keys).
 """
 
 from __future__ import annotations
@@ -53,14 +49,16 @@ from hivemind.utils import MSGPackSerializer  # noqa: E402
 
 from _records import add_record_arguments, write_record  # noqa: E402
 from swarm import PROTOCOL_VERSION  # noqa: E402
-from swarm.dht.directory import PROBE_PERIOD_S, Directory  # noqa: E402
+from swarm.dht.directory import PROBE_PERIOD_S, Directory, probe_period_for  # noqa: E402
 from swarm.dht.identity import Identity, load_or_create_identity  # noqa: E402
-from swarm.policy.directory import SHARD_CAPACITY, level_for  # noqa: E402
+from swarm.policy.directory import SHARD_CAPACITY  # noqa: E402
 from swarm.net.addresses import MAX_MADDR_CHARS, MAX_MADDRS  # noqa: E402
 from swarm.dht.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, run_schema_validator  # noqa: E402
 from swarm.simulate.dht_traffic import (  # noqa: E402
-    MESSAGE_CAP_BYTES, TrafficModel, calibrate, per_peer_bytes_per_s, shard_value_bytes,
+    ProgressModel, TrafficModel, calibrate, per_peer_bytes_per_s, progress_bytes_per_s,
+    trainer_bytes_per_s,
 )
+from swarm.config.settings import PeerConfig  # noqa: E402
 from swarm.dht.validator_cache import RememberingValidator  # noqa: E402
 
 RUN_ID = "cp_bench"
@@ -258,69 +256,132 @@ async def live(num_peers: int, num_stages: int, args) -> dict:
             await node.shutdown()
 
 
+def _exchange_bytes() -> float:
+    """One progress call on the wire: the encoded request and reply (each a record's progress fields, counts at
+    their largest, no stage-mate banned), a direct frame's header, method name and tag each, and the TCP/IP
+    headers of the two segments and an acknowledgement (52 bytes each, with timestamps)."""
+    from swarm.net.direct import FRAME_HEADER, REPLY_HEADER, TAG_BYTES
+    from swarm.net.wire import encode
+    from swarm.server.progress import PROGRESS_METHOD, progress_of
+
+    identity = load_or_create_identity(None)
+    message = encode({"record": progress_of(_record(identity, 0).model_copy(update={"excluded": ""}))})
+    request = FRAME_HEADER.size + len(PROGRESS_METHOD) + len(message) + TAG_BYTES
+    reply = REPLY_HEADER.size + len(message) + TAG_BYTES
+    return float(request + reply + 3 * 52)
+
+
+def live_layouts(args) -> List[dict]:
+    """The ``--layouts`` live, each in network namespaces, counted at the links (see ``_control_hosts``)."""
+    from _control_hosts import Layout, measure_layout  # needs root: imported only when asked for
+
+    model = ["--num_layers", "2", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "16"]
+    param_bytes = 4 * (256 * 32 + 16 * 32 + 2 * 12 * 32 * 32)  # a stage holds at most the embeddings and both blocks
+    rows = []
+    log_dir = Path(args.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for text in args.layouts.split(","):
+        layout = Layout.parse(text)
+        for row in measure_layout(layout, model, args.window_s, log_dir, args.target_batch_size, param_bytes):
+            print(f"live {layout.stages}x{layout.replicas}+{row['trainers']} {row['phase']:>8}: "
+                  f"{row['bytes_per_s_per_peer_in_plus_out']:>8.0f} B/s control per peer (max "
+                  f"{row['bytes_per_s_per_peer_max']:.0f}; link {row['link_bytes_per_s_per_peer']:.0f}, data plane "
+                  f"{row['data_plane_bytes_per_s_per_peer']:.0f}), trainer {row['bytes_per_s_per_trainer']}, bootstrap "
+                  f"{row['bootstrap_bytes_per_s']:.0f} B/s, {row['global_steps']:.0f} steps in {row['window_s']} s",
+                  flush=True)
+            rows.append(row)
+    return rows
+
+
+def simulated_rows(args, idle_rows: List[dict]) -> List[dict]:
+    """1,000 and 10,000 peers at 8 and 64 stages, from the DHT model at the live default periods (its per-byte
+    overhead fitted to the idle live rows) and the progress-call model."""
+    identity = load_or_create_identity(None)
+    record_bytes = stored_record_bytes(identity, RSASignatureValidator(identity.private_key), 0)
+    period = args.announce_period_s
+    rows = []
+    for num_stages in (int(x) for x in args.model_stages.split(",")):
+        dht = TrafficModel(record_bytes=record_bytes, num_stages=num_stages, announce_period_s=period,
+                           read_period_s=period, probe_period_s=probe_period_for(period), stages_read=2)
+        if idle_rows:
+            dht = calibrate(dht, [(r["peers"], r["bytes_per_s_per_peer_in_plus_out"]) for r in idle_rows])
+        progress = ProgressModel(exchange_bytes=_exchange_bytes(), step_s=args.model_step_s)
+        for num_peers in (int(x) for x in args.model_peers.split(",")):
+            calls = progress_bytes_per_s(progress, num_peers, num_stages)
+            base = per_peer_bytes_per_s(dht, num_peers)["total"]
+            trainers = max(1, num_peers // 4)
+            rows.append({
+                "stages": num_stages, "peers": num_peers, "trainers": trainers, "phase": "training",
+                "bytes_per_s_per_peer_in_plus_out": round(base + calls["peer"], 1),
+                "bytes_per_s_per_peer_max": round(base + calls["clock_peer"], 1),
+                "bytes_per_s_per_trainer": round(trainer_bytes_per_s(dht, num_peers, period, 400.0), 1),
+                "bootstrap_bytes_per_s": round(base, 1),
+                "dht_overhead": round(dht.overhead, 3), "source": "simulated",
+            })
+            print(f"model {num_stages:>2} stages {num_peers:>6} peers: {rows[-1]['bytes_per_s_per_peer_in_plus_out']:>8.0f} "
+                  f"B/s per peer ({base:.0f} DHT + {calls['peer']:.0f} progress; a clock replica "
+                  f"{rows[-1]['bytes_per_s_per_peer_max']:.0f}), trainer {rows[-1]['bytes_per_s_per_trainer']:.0f} B/s",
+                  flush=True)
+    return rows
+
+
+def emulated(args) -> List[dict]:
+    """The in-process emulation of ``--peers`` DHT nodes (bytes per DHT operation, without libp2p's framing)."""
+    _count_rpc_bytes()
+    rows = []
+    for num_peers in (int(x) for x in args.peers.split(",") if x):
+        row = asyncio.run(live(num_peers, args.stages, args))
+        row.pop("_lookup_ms")
+        row["source"] = "emulated"
+        print(f"emulated {num_peers:>6} peers: {row['dht_bytes_per_s_per_peer']:>10.0f} B/s per peer ({row['bytes_per_store']} B "
+              f"a store, {row['bytes_per_poll']} B a poll), lookup p50 {row['lookup_ms_p50']} ms, periods x{row['stretch']:g}",
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peers", default="16,64,256", help="comma list of live swarm sizes")
-    parser.add_argument("--stages", type=int, default=2, help="stages of the run (fewer stages: larger stages)")
-    parser.add_argument("--announce_period_s", type=float, default=1.0, help="live announce period")
-    parser.add_argument("--read_period_s", type=float, default=0.25,
-                        help="how often a peer reads its own stage: the live poll period near a global step; "
-                             "far from one the live peer reads every announce period")
-    parser.add_argument("--warmup_s", type=float, default=8.0, help="seconds (before stretching) before measuring")
-    parser.add_argument("--measure_s", type=float, default=8.0, help="seconds (before stretching) measured per size")
-    parser.add_argument("--nodes_per_core_s", type=float, default=8.0,
-                        help="nodes this machine keeps at the live periods; more stretch every period alike")
-    parser.add_argument("--pollers", type=int, default=8,
-                        help="nodes that also poll (every node stores): a lookup costs the reader's CPU ~0.1-0.5 s "
-                             "in hivemind, so one process cannot poll for hundreds of nodes")
-    parser.add_argument("--concurrent_probes", type=int, default=2,
-                        help="probes the nodes that do not poll run at once (a probe of every level is the heaviest "
-                             "lookup; dozens at once in one process time out, and a node that cannot probe stores "
-                             "its record only where readers of a large stage do not look)")
+    parser.add_argument("--layouts", default="2x8+2,8x4+8",
+                        help="live layouts, STAGESxREPLICAS+TRAINERS, each in network namespaces (needs root); '' = none")
+    parser.add_argument("--window_s", type=float, default=90.0, help="seconds each live window is counted over")
+    parser.add_argument("--target_batch_size", type=int, default=4096, help="the live runs' global batch")
+    parser.add_argument("--log_dir", default="runs/control_plane", help="where the live roles' logs go")
     parser.add_argument("--model_peers", default="1000,10000", help="comma list of modelled swarm sizes")
+    parser.add_argument("--model_stages", default="8,64", help="comma list of modelled stage counts")
+    parser.add_argument("--model_step_s", type=float, default=60.0, help="seconds a modelled global step takes")
+    parser.add_argument("--announce_period_s", type=float, default=PeerConfig.announce_period_s,
+                        help="the announce period the model assumes (the live roles run at their defaults)")
+    parser.add_argument("--peers", default="", help="comma list of in-process emulated swarm sizes ('' = none)")
+    parser.add_argument("--stages", type=int, default=2, help="stages of the emulated run")
+    parser.add_argument("--read_period_s", type=float, default=30.0, help="emulated: how often a peer reads its stage")
+    parser.add_argument("--warmup_s", type=float, default=8.0, help="emulated: seconds before measuring")
+    parser.add_argument("--measure_s", type=float, default=8.0, help="emulated: seconds measured per size")
+    parser.add_argument("--nodes_per_core_s", type=float, default=8.0, help="emulated: nodes kept at the live periods")
+    parser.add_argument("--pollers", type=int, default=8, help="emulated: nodes that also poll")
+    parser.add_argument("--concurrent_probes", type=int, default=2, help="emulated: probes run at once")
     add_record_arguments(parser)
     args = parser.parse_args(argv)
-    _count_rpc_bytes()
-    checking = checking_ms_per_shard(args.stages)
+    checking = checking_ms_per_shard(2)
     print(f"checking a lookup answer of a full shard ({SHARD_CAPACITY} records): {checking['checked']} ms of CPU with "
           f"hivemind's validators, {checking['remembered']} ms once the node remembers them", flush=True)
-    rows = []
-    for num_peers in (int(x) for x in args.peers.split(",")):
-        row = asyncio.run(live(num_peers, args.stages, args))
-        print(f"live {num_peers:>6} peers: {row['dht_bytes_per_s_per_peer']:>10.0f} B/s per peer ({row['bytes_per_store']} B "
-              f"a store, {row['bytes_per_poll']} B a poll), directory levels {row['levels']}, record "
-              f"{row['max_record_bytes']} B, largest message {row['max_message_bytes']} B, lookup p50 "
-              f"{row['lookup_ms_p50']} ms with periods x{row['stretch']:g}, {row['records_seen_per_peer']} records "
-              f"seen per poller ({row['pollers']} pollers, the least {100 * row['view_share_min']:.0f}% of the swarm), {row['failed_polls']} of {row['polls']} polls failed, max RSS {row['max_rss_mib']} MiB", flush=True)
-        rows.append(row)
-    lookups = {f"lookup_ms[{row['peers']} peers, live]": row.pop("_lookup_ms") for row in rows}
-    record_bytes = max(r["max_record_bytes"] for r in rows)
-    model = calibrate(TrafficModel(record_bytes=record_bytes, num_stages=args.stages,
-                                   announce_period_s=args.announce_period_s, read_period_s=args.read_period_s),
-                      [(r["peers"], r["dht_bytes_per_s_per_peer"]) for r in rows])
-    print(f"model calibrated: {model.overhead:.3f} wire bytes per value byte, hop {model.hop_bytes:.0f} B")
-    for row in rows:
-        row["model_bytes_per_s_per_peer"] = round(per_peer_bytes_per_s(model, row["peers"])["total"], 1)
-    for num_peers in (int(x) for x in args.model_peers.split(",")):
-        largest = shard_value_bytes(model, num_peers)
-        one_key = -(-num_peers // args.stages) * record_bytes  # the same stage under a single key
-        rows.append({"peers": num_peers, "dht_bytes_per_s_per_peer": round(per_peer_bytes_per_s(model, num_peers)["total"], 1),
-                     "max_record_bytes": record_bytes, "lookup_ms_p50": None, "max_message_bytes": largest,
-                     "message_over_cap": round(largest / MESSAGE_CAP_BYTES, 4), "single_key_stage_bytes": one_key,
-                     "levels": [level_for(num_peers / args.stages)], "source": "simulated"})
-        print(f"model {num_peers:>6} peers: {rows[-1]['dht_bytes_per_s_per_peer']:>10.0f} B/s per peer; largest message "
-              f"{largest:.0f} B ({100 * largest / MESSAGE_CAP_BYTES:.2f}% of the 4 MiB cap; one key per stage would "
-              f"be {one_key / 2**20:.1f} MiB)")
-    for row in rows:
-        row["check_ms_per_shard_answer"] = checking
-    write_record("control_plane", args, rows, raw=lookups,
-                 headline=[{k: r.get(k) for k in ("peers", "source", "dht_bytes_per_s_per_peer", "max_record_bytes",
-                                                  "max_message_bytes", "lookup_ms_p50", "view_share_min", "stretch")}
-                           for r in rows],
-                 notes=["live rows: real DHT nodes in one process, periods stretched alike where the cores cannot "
-                        "keep the live ones (stretch); simulated rows: swarm/simulate/dht_traffic calibrated on the "
-                        "live ones.",
-                        "Raw values: the latency of every lookup the pollers made in the measured window."])
+    rows = live_layouts(args) if args.layouts else []
+    if args.model_peers:
+        rows += simulated_rows(args, [r for r in rows if r["phase"] == "idle"])
+    rows += emulated(args)
+    raw = {f"control_per_peer[{r['stages']}x{r['peers'] // r['stages']}+{r['trainers']} {r['phase']}]":
+           r.pop("_control_per_peer") for r in rows if "_control_per_peer" in r}
+    keys = ("stages", "peers", "trainers", "phase", "bytes_per_s_per_peer_in_plus_out", "bytes_per_s_per_peer_max",
+            "bytes_per_s_per_trainer", "bootstrap_bytes_per_s", "source")
+    write_record("control_plane", args, rows, raw=raw,
+                 headline=[{k: r.get(k) for k in keys} for r in rows if r.get("source") != "emulated"],
+                 notes=["live rows: every role in its own network namespace at the default periods; bytes counted at "
+                        "its link (framing, Noise, yamux, TCP included). A training row's control bytes are the link's "
+                        "minus the metered forward/backward payloads and an all-reduce estimate (an upper bound).",
+                        "simulated rows: swarm/simulate/dht_traffic at the default periods, its overhead fitted to the "
+                        "idle live rows, plus progress calls near each step (model_step_s per step).",
+                        f"check_ms_per_shard_answer: {checking}",
+                        "Raw values: the control bytes per second of every peer in each live window."])
     print(json.dumps(rows))
     return 0
 

@@ -25,6 +25,11 @@ def _run_flags(config: DemoConfig) -> List[str]:
     return run_flags(config.run)
 
 
+def _peer_periods(config: DemoConfig) -> List[str]:
+    """The demo's announce period (and an expiration of four), so that its status lines move every few seconds."""
+    return ["--announce_period_s", str(config.announce_period_s), "--expiration_s", str(4 * config.announce_period_s)]
+
+
 def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]) -> None:
     """Start every role, appending each to ``processes`` as it starts, so the caller stops them all even when
     one fails to come up."""
@@ -55,7 +60,7 @@ def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]
         )
     common = [*_run_flags(config), "--initial_peers", ",".join(maddrs)]
     peers = [
-        RoleProcess("peer", ["--stage", str(stage), *common], log_dir, f"peer_s{stage}_{i}")
+        RoleProcess("peer", ["--stage", str(stage), *common, *_peer_periods(config)], log_dir, f"peer_s{stage}_{i}")
         for stage in range(config.run.num_stages)
         for i in range(config.peers_per_stage)
     ]
@@ -72,6 +77,8 @@ def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]
         str(config.max_in_flight),
         "--log_period_s",
         str(config.log_period_s),
+        "--refresh_period_s",
+        str(config.announce_period_s),
     ]
     if config.max_data_mb is not None:
         trainer_flags += ["--max_data_mb", str(config.max_data_mb)]

@@ -1,11 +1,9 @@
-"""The announcer stores a record that changed at once near a step, and an unchanged one only once an
-announce period: a replica with nothing new to say (standing by, or waiting for its stage-mates) must
-not store the same record 20 times a second."""
+"""The announcer stores the peer's record once an announce period, whatever changes in between: gradients
+accumulated and steps applied travel to stage-mates by progress calls, not by storing the record again."""
 
 import asyncio
 from types import SimpleNamespace
 
-import swarm.server.announcer as announcer_module
 from swarm.server.announcer import Announcer
 
 
@@ -18,52 +16,36 @@ class _Directory:
         return self.ok
 
 
-def _peer(directory, announce_period_s=0.3):
-    config = SimpleNamespace(announce_period_s=announce_period_s, expiration_s=6.0)
-    return SimpleNamespace(peer_id="QmPeer", stage=0, state="online", runner=None, steps=None, queued=0, run_hash="",
-                           maddrs=[], config=config, directory=directory)
+class _Peer(SimpleNamespace):
+    """A peer whose record changes (its queue grows) while the announcer sleeps; it stops after ``loops`` sleeps."""
+
+    def __init__(self, directory, loops: int):
+        super().__init__(peer_id="QmPeer", stage=0, state="online", runner=None, steps=None, queued=0, run_hash="",
+                         maddrs=[], config=SimpleNamespace(announce_period_s=30.0, expiration_s=120.0),
+                         directory=directory, stopping=asyncio.Event(), sleeps=[], loops=loops)
+
+    async def sleep_or_progress(self, waker, period_s, min_period_s):
+        self.sleeps.append((waker, period_s))
+        self.queued += 1
+        if len(self.sleeps) >= self.loops:
+            self.stopping.set()
 
 
-class _Clock:
-    """The announcer's monotonic clock, moved by the test: the announce period passes exactly when the test says,
-    however long the machine takes to run it."""
-
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-def test_an_unchanged_record_is_stored_again_only_after_the_announce_period(monkeypatch):
-    clock = _Clock()
-    monkeypatch.setattr(announcer_module, "time", clock)
-
+def test_the_record_is_stored_once_an_announce_period_and_progress_does_not_wake_the_announcer():
     async def scenario():
         directory = _Directory()
-        peer = _peer(directory)
-        announcer = Announcer(peer)
-        assert await announcer.announce(only_if_changed=True)  # nothing stored yet
-        for _ in range(5):
-            assert not await announcer.announce(only_if_changed=True)
-        assert len(directory.stored) == 1
-        peer.queued = 2  # the record changed: stored at once
-        assert await announcer.announce(only_if_changed=True)
-        assert not await announcer.announce(only_if_changed=True)
-        clock.now += 0.29  # still within the announce period (0.3 s) of the last store
-        assert not await announcer.announce(only_if_changed=True)
-        clock.now += 0.02  # the announce period is up: stored although unchanged (its expiration)
-        assert await announcer.announce(only_if_changed=True)
-        assert await announcer.announce()  # far from a step: every call stores
-        assert len(directory.stored) == 4
+        peer = _Peer(directory, loops=3)
+        await asyncio.wait_for(Announcer(peer).run(), 5.0)
+        assert len(directory.stored) == 3
+        assert [record.queue_length for record in directory.stored] == [0, 1, 2]
+        assert peer.sleeps == [(None, 30.0)] * 3, "gradients arriving must not wake the announcer"
     asyncio.run(scenario())
 
 
-def test_a_failed_store_is_tried_again_at_once():
+def test_a_failed_store_says_so():
     async def scenario():
         directory = _Directory(ok=False)
-        announcer = Announcer(_peer(directory))
-        for _ in range(3):
-            assert not await announcer.announce(only_if_changed=True)
-        assert len(directory.stored) == 3, "a record no DHT node took was never announced"
+        announcer = Announcer(_Peer(directory, loops=1))
+        assert not await announcer.announce()
+        assert announcer.stores == 1 and len(directory.stored) == 1
     asyncio.run(scenario())

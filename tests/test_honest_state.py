@@ -171,7 +171,7 @@ class FakePeer:
         self.runner, self.averager, self.steps = StageRunner(RUN, 0), FakeAverager(served), FakeSteps()
         self.checkpoints, self.compute = FakeCheckpoints(), ComputeThread()
 
-    async def fetch_records(self) -> Dict[str, PeerRecord]:
+    async def fetch_records(self, ask: bool = False, fresh: bool = False, every_stage: bool = False) -> Dict[str, PeerRecord]:
         return self.records
 
 
@@ -259,7 +259,7 @@ class LaggingRecords(FakePeer):
         super().__init__(before, served)
         self.after, self.reads, self.stale_reads = after, 0, stale_reads
 
-    async def fetch_records(self) -> Dict[str, PeerRecord]:
+    async def fetch_records(self, ask: bool = False, fresh: bool = False, every_stage: bool = False) -> Dict[str, PeerRecord]:
         self.reads += 1
         return self.records if self.reads <= self.stale_reads else self.after
 

@@ -34,8 +34,8 @@ async def keep_announcing(probe: Probe, record: PeerRecord, stop: asyncio.Event)
 
 @pytest.mark.long
 async def test_fake_replicas_do_not_stop_lone_replicas_from_stepping(launcher, probe):
-    """A fake 'online' replica of the last stage claims a huge pending batch and never averages; a fake
-    replica of stage 0 claims a step far ahead. Both real replicas still step, on full batches."""
+    """A fake 'online' replica of the last stage claims a huge pending batch in the DHT and never averages; a
+    fake replica of stage 0 claims a step far ahead. Both real replicas still step, on full batches."""
     launcher.peer(0, target_batch_size=TARGET, name="s0")
     last = launcher.peer(1, target_batch_size=TARGET, name="s1")
     records = await probe.wait_for(lambda r: online(r, 0) and online(r, 1), 30, "both stages online")
@@ -56,10 +56,11 @@ async def test_fake_replicas_do_not_stop_lone_replicas_from_stepping(launcher, p
         records = await probe.wait_for(lambda r: len(real(r)) == 2 and all(x.step >= 3 for x in real(r)), 60,
                                        "both real replicas to take at least 3 global steps")
         assert {x.stage for x in real(records)} == {0, 1}
-        assert "ignoring the claims of" in last.log_tail(400)
-        # rounds with a replica that never averages fail; each failure is one line, not a traceback
+        # the fakes answer no progress call: they leave the step protocol (or, once their claims prove false,
+        # are ignored); rounds that still count on one fail in one line each, never with a traceback
         log = last.log_path.read_text(errors="replace")
-        assert "failed: AllreduceException" in log and "Traceback" not in log, log[-3000:]
+        assert "did not answer 3 progress calls" in log or "ignoring the claims of" in log, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
     finally:
         stop.set()
         await asyncio.gather(*fakes, return_exceptions=True)

@@ -7,7 +7,8 @@ were lost and, in the background, asks a stage's replicas which peers a step ave
 replica that took a contribution can no longer say. No reply, and no failure of one
 micro-batch, ends the trainer: a worker logs the failure and goes on with the next one.
 With the run's defences on, a :class:`ReplyVerifier` spot-checks replies on other replicas, publishes
-accusations of replicas it outvotes, and every ``ACCUSATIONS_PERIOD_S`` reads other trainers' accusations.
+accusations of replicas it outvotes, and every ``ACCUSATIONS_PERIOD_S`` (or refresh period) reads other
+trainers' accusations.
 """
 
 from __future__ import annotations
@@ -31,12 +32,12 @@ from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger, LedgerPolicy, StepKey, parse_step_members
 from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
 from swarm.client.verification import ReplyVerifier
-from swarm.config.settings import TrainerConfig
+from swarm.config.settings import PeerConfig, TrainerConfig
 from swarm.training.data import Corpus, load_corpus, load_hf_dataset, validation_batches
 from swarm.training.tokenized import TokenizedCorpus, load_tokenized_corpus, make_sampler
 from swarm.training.tokenizer import load_run_tokenizer
 from swarm.dht.node import start_run_dht
-from swarm.dht.directory import Directory
+from swarm.dht.directory import Directory, fresh_for, probe_period_for
 from swarm.dht.store import fetch_records, store_record
 from swarm.metrics import MetricsServer, TrainerSnapshot, role_registry, start_metrics_server, trainer_families
 from swarm.policy.aggregation import banned_by_majority
@@ -61,7 +62,8 @@ logger = get_logger(__name__)
 LOST_AFTER_GRACES = 4  # a gone replica whose step nobody knows is taken as lost after this many peer_grace_s
 MEMBERS_TIMEOUT_S = 5.0  # seconds one step_members call may take
 _NO_ANSWER = object()  # a replica that did not answer step_members (as opposed to "unknown step": None)
-ACCUSATIONS_PERIOD_S = 5.0  # seconds between reads of the run's accusations
+ACCUSATIONS_PERIOD_S = 5.0  # seconds between reads of the run's accusations, at least (refresh_period_s if longer)
+STALE_REFRESH_GAP_S = 2.0  # seconds at least between two refreshes (a failed call asks for one at once)
 ACCUSATION_EXPIRATION_S = 300.0  # seconds an accusation stays in the DHT
 
 
@@ -249,8 +251,20 @@ class Trainer:
     async def _fetch_records(self, strict: bool) -> Dict[str, PeerRecord]:
         """The run's peer records; peers that announce other run settings are left out."""
         if self.directory is None:
-            self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=self.trainer_id)
-        await self.directory.read(timeout=self.config.refresh_period_s * 5, strict=strict)
+            self.directory = Directory(
+                self.dht,
+                self.run.run_id,
+                self.run.num_stages,
+                home=self.trainer_id,
+                probe_period_s=probe_period_for(self.config.refresh_period_s),
+                # a DHT client keeps no values, so its first fresh answer is another node's whole copy (a node
+                # that serves the DHT holds whatever stores reached it, and would stop at its own partial copy);
+                # the peers' periods are theirs to set: the defaults' margin
+                fresh_s=None
+                if self.config.serve_dht
+                else fresh_for(PeerConfig.expiration_s, PeerConfig.announce_period_s),
+            )
+        await self.directory.read(timeout=min(self.config.refresh_period_s * 5, 10.0), strict=strict)
         return self._same_run(self.directory.records())
 
     def _settle(self, now: float) -> None:
@@ -331,12 +345,19 @@ class Trainer:
         return _NO_ANSWER
 
     async def _refresh_loop(self) -> None:
+        """Refresh every ``refresh_period_s``, and at once when a call found the snapshot stale (a dead or moved
+        peer), but no sooner than ``STALE_REFRESH_GAP_S`` after the last: a burst of failed calls is one read."""
+        gap, refreshed_at = min(STALE_REFRESH_GAP_S, self.config.refresh_period_s), time.monotonic()
         while True:
             try:
                 await asyncio.wait_for(self._refresh_now.wait(), self.config.refresh_period_s)
             except asyncio.TimeoutError:
                 pass
+            wait = refreshed_at + gap - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
             self._refresh_now.clear()
+            refreshed_at = time.monotonic()
             try:
                 await self.refresh()
             except Exception:
@@ -354,7 +375,9 @@ class Trainer:
         await store_record(self.dht, accusations_key(self.run.run_id), record, expiration_s=ACCUSATION_EXPIRATION_S)
 
     async def _accusations_loop(self, verifier: ReplyVerifier) -> None:
-        """Read the run's accusations now and every ``ACCUSATIONS_PERIOD_S``; ``verifier`` judges them."""
+        """Read the run's accusations now and every ``ACCUSATIONS_PERIOD_S`` (or refresh period, if longer);
+        ``verifier`` judges them."""
+        period = max(ACCUSATIONS_PERIOD_S, self.config.refresh_period_s)
         while True:
             try:
                 accusations = await fetch_records(
@@ -363,7 +386,7 @@ class Trainer:
                 verifier.consider(accusations, time.monotonic())
             except Exception:
                 logger.exception("reading the run's accusations failed")
-            await asyncio.sleep(ACCUSATIONS_PERIOD_S)
+            await asyncio.sleep(period)
 
     def _done(self, deadline: float) -> bool:
         max_samples = self.config.max_samples
@@ -419,11 +442,16 @@ class Trainer:
             self.metrics.record(batch, loss)
 
     async def _report_loop(self, on_progress: Optional[Callable[["Trainer"], None]]) -> None:
+        """A progress line every ``log_period_s``; the trainer's DHT record (what dashboards show) every
+        ``refresh_period_s`` if that is longer: a store costs the DHT nodes that keep it as much as the trainer."""
+        published_at = -math.inf
         while True:
             await asyncio.sleep(self.config.log_period_s)
             if on_progress is not None:
                 on_progress(self)
-            await self._publish()
+            if time.monotonic() - published_at >= self.config.refresh_period_s - self.config.log_period_s / 2:
+                published_at = time.monotonic()
+                await self._publish()
 
     async def _publish(self) -> None:
         loss = self.metrics.recent_loss()
@@ -435,9 +463,8 @@ class Trainer:
             samples_per_s=self.metrics.samples_per_s,
             tokens_per_s=self.metrics.samples_per_s * self.run.model.seq_len,
         )
-        await store_record(
-            self.dht, trainers_key(self.run.run_id), record, expiration_s=max(30.0, 3 * self.config.log_period_s)
-        )
+        period = max(self.config.log_period_s, self.config.refresh_period_s)
+        await store_record(self.dht, trainers_key(self.run.run_id), record, expiration_s=max(30.0, 3 * period))
 
     async def evaluate(self, num_batches: int = 4, batch_size: int = 16) -> float:
         """Validation loss through the swarm (forward only), on a fixed set of held-out windows."""
@@ -455,7 +482,7 @@ class Trainer:
             await self.refresh()
             if not self._resending and self.ledger.all_held(self.records, self._clock_step()):
                 return True
-            await asyncio.sleep(self.config.refresh_period_s)
+            await asyncio.sleep(min(self.config.refresh_period_s, 1.0))
         return False
 
     def shutdown(self) -> None:

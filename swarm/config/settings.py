@@ -180,9 +180,13 @@ class PeerConfig:
             "help": "emulate a slower device: sleep this long per sample of backward work (0 = off; costs no CPU)"
         },
     )
-    announce_period_s: float = 1.0  # seconds between DHT announcements
-    expiration_s: float = 6.0  # seconds a DHT record outlives its announcement: how fast a dead peer vanishes
-    poll_period_s: float = 0.25  # seconds between checks of the stage's progress towards the global batch
+    announce_period_s: float = 30.0  # seconds between DHT announcements (stage-mates exchange progress directly)
+    expiration_s: float = (
+        120.0  # seconds a DHT record outlives its announcement (failed calls route around a dead peer sooner)
+    )
+    poll_period_s: float = (
+        0.25  # seconds between progress calls to the stage-mates while the stage nears its global batch
+    )
     matchmaking_time_s: float = 2.0  # seconds replicas wait to form an all-reduce group
     averaging_timeout_s: float = 30.0  # seconds one all-reduce round may take
     state_download_timeout_s: float = 60.0  # seconds to download a stage's state from a replica
@@ -364,7 +368,7 @@ class TrainerConfig:
     forward_timeout_s: float = 30.0  # seconds one forward call may take
     backward_timeout_s: float = 60.0  # seconds one backward call may take
     max_retries: int = 8  # attempts per stage call before the micro-batch fails
-    refresh_period_s: float = 1.0  # seconds between DHT snapshots of the swarm
+    refresh_period_s: float = 30.0  # seconds between DHT snapshots of the swarm (and at once after a failed call)
     peer_grace_s: float = 5.0  # seconds a peer must be missing from the DHT before its unconfirmed work is re-sent
     log_period_s: float = 5.0  # seconds between progress lines
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
@@ -490,6 +494,15 @@ class DemoConfig:
     max_in_flight: int = 4  # micro-batches in flight per trainer
     max_data_mb: Optional[float] = 8.0  # read at most this much of the corpus (MiB), for a quick start
     log_period_s: float = 5.0  # seconds between status lines
+    announce_period_s: float = field(
+        default=5.0,
+        metadata={
+            "help": (
+                "the peers' announce period and the trainers' refresh period (s): short on one machine, where the "
+                "status lines show what records say; a run across the internet keeps the defaults (30 s)"
+            )
+        },
+    )
     work_dir: str = "runs/demo"  # each process writes its log here
     startup_timeout_s: float = 120.0  # seconds to wait for every process to come up
     dashboard_port: int = field(
@@ -506,5 +519,5 @@ class DemoConfig:
         for name in ("peers_per_stage", "num_trainers", "batch_size", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("duration_s", "log_period_s", "startup_timeout_s"):
+        for name in ("duration_s", "log_period_s", "startup_timeout_s", "announce_period_s"):
             _positive(name, getattr(self, name))

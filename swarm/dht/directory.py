@@ -35,10 +35,11 @@ from swarm.policy.directory import (
 from swarm.net.dialing import address_book
 from swarm.dht.records import PeerRecord, shard_key
 
-__all__ = ["Directory", "fetch_stage_records"]
+__all__ = ["Directory", "fetch_stage_records", "fresh_for", "probe_period_for"]
 
 logger = get_logger(__name__)
-PROBE_PERIOD_S = 10.0  # seconds between probes of a stage's levels
+PROBE_PERIOD_S = 10.0  # seconds between probes of a stage's levels, at least (see probe_period_for)
+PROBE_READS = 8  # reads of a stage between two of its periodic probes
 # random chains of shards (one per level probed: policy.directory.probe_levels) a probe reads; the first probe of a
 # stage reads more. A chain finds about a shard's worth of records at the levels written, so chains x SHARD_CAPACITY
 # records make an estimate
@@ -66,18 +67,43 @@ class _Stage:
     records: Dict[str, Tuple[PeerRecord, float]] = field(default_factory=dict)  # id -> (record, DHT expiration time)
 
 
+def fresh_for(expiration_s: float, announce_period_s: float) -> Optional[float]:
+    """``Directory.fresh_s`` for records re-stored every ``announce_period_s`` with ``expiration_s``: a copy that
+    took a store within two announce periods; None (ask every node) where that leaves no margin."""
+    fresh = expiration_s - 2 * announce_period_s
+    return fresh if fresh > 0 else None
+
+
+def probe_period_for(read_period_s: float) -> float:
+    """The probe period of a reader that reads each stage every ``read_period_s``: a probe every
+    ``PROBE_READS`` reads (every read would be a probe once the reads are further apart than
+    ``PROBE_PERIOD_S``, and a full probe reads every level's shards)."""
+    return max(PROBE_PERIOD_S, PROBE_READS * read_period_s)
+
+
 class Directory:
     """One reader's view of the run's stage directories.
 
     ``home``: the id whose shard the reader always reads (its own, so a stage peer always sees the
     stage-mates of its own shard). ``rotate``: shards read per stage per read besides the home shard
-    (-1: every shard, for readers that want the whole swarm at any cost)."""
+    (-1: every shard, for readers that want the whole swarm at any cost). ``fresh_s``: a lookup of a shard stops
+    at the first node whose copy took a store lately (it outlives ``fresh_s`` seconds from now; records are
+    re-stored every announce period), rather than asking every node near the key; None asks them all. Only for
+    a reader that keeps no values itself (a DHT client): a node that serves the DHT would stop at its own copy,
+    which holds only the stores that reached it."""
 
     def __init__(
-        self, dht: DHT, run_id: str, num_stages: int, home: str, rotate: int = 1, probe_period_s: float = PROBE_PERIOD_S
+        self,
+        dht: DHT,
+        run_id: str,
+        num_stages: int,
+        home: str,
+        rotate: int = 1,
+        probe_period_s: float = PROBE_PERIOD_S,
+        fresh_s: Optional[float] = None,
     ):
         self.dht, self.run_id, self.num_stages, self.home = dht, run_id, num_stages, home
-        self.rotate, self.probe_period_s = rotate, probe_period_s
+        self.rotate, self.probe_period_s, self.fresh_s = rotate, probe_period_s, fresh_s
         self.stages = [_Stage() for _ in range(num_stages)]
 
     # ---- reading ----
@@ -126,9 +152,13 @@ class Directory:
         now: float,
     ) -> bool:
         keys = sorted({key for _, keyed in plans.values() for key in keyed})
+        probing = any(chains for chains, _ in plans.values())  # a probe counts what every node holds
         try:
             found = await asyncio.wait_for(
-                self.dht.run_coroutine(partial(get_many_in_dht, keys=keys, timeout=timeout), return_future=True),
+                self.dht.run_coroutine(
+                    partial(get_many_in_dht, keys=keys, timeout=timeout, fresh_s=None if probing else self.fresh_s),
+                    return_future=True,
+                ),
                 timeout + 1.0,
             )
             if found is None:
@@ -224,14 +254,15 @@ class Directory:
         now = time.monotonic() if now is None else now
         return probe_due(known.level, known.home_count, self.size(stage), now - known.probed_at, self.probe_period_s)
 
-    def stages_due(self, focus: Optional[int], others_period_s: float) -> List[int]:
-        """What a poll reads: the ``focus`` stage (a stage peer's own: its steps are coordinated from it) on every
-        poll, every other stage once ``others_period_s`` passed since its last read (with no focus: all)."""
+    def stages_due(self, focus: Optional[int], others_period_s: float, focus_period_s: float = 0.0) -> List[int]:
+        """What a poll reads: the ``focus`` stage (a stage peer's own) once ``focus_period_s`` passed since its
+        last read (by default on every poll), every other stage once ``others_period_s`` passed (with no focus:
+        all)."""
         now = time.monotonic()
         return [
             stage
             for stage, known in enumerate(self.stages)
-            if focus is None or stage == focus or now - known.read_at >= others_period_s
+            if focus is None or now - known.read_at >= (focus_period_s if stage == focus else others_period_s)
         ]
 
     def levels(self) -> List[int]:

@@ -17,7 +17,7 @@ from typing import Any, Collection, Dict, List, Optional
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.utils import get_logger
+from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.auth import AuthorizerBase
 
 from swarm.config.settings import NetworkConfig, RunConfig
@@ -78,6 +78,13 @@ def start_dht(
             client_mode=client_mode,
             start=True,
             startup_timeout=network.startup_timeout_s,
+            # no copies of values nobody asked this node to keep, and no lookups to refresh them: every reader asks
+            # for what it needs when it needs it (a lookup that stops at the first fresh copy must not stop at
+            # a cached one), and records are re-stored by their owners
+            cache_locally=False,
+            cache_on_store=False,
+            cache_nearest=0,
+            cache_refresh_before_expiry=0,
             **extra,
         )
     dht.listen_maddrs = host_maddrs
@@ -122,13 +129,18 @@ def identity_of(dht: DHT) -> Identity:
     return identity
 
 
-async def get_many_in_dht(_dht: DHT, node: DHTNode, keys: Collection[str], timeout: float) -> Optional[Dict[str, Any]]:
-    """Look up several keys in one traversal (the latest value of each); None if it took longer than ``timeout``.
+async def get_many_in_dht(
+    _dht: DHT, node: DHTNode, keys: Collection[str], timeout: float, fresh_s: Optional[float] = None
+) -> Optional[Dict[str, Any]]:
+    """Look up several keys in one traversal; None if it took longer than ``timeout``. With ``fresh_s``, the
+    search for a key stops at the first answer whose value outlives ``fresh_s`` seconds from now (a node that
+    took a store of it lately), instead of walking every node near the key for the latest value of each.
     Runs inside the DHT process through ``dht.run_coroutine``, so it is defined here, imported by every process
     before its DHT forks. A timeout is returned rather than raised: hivemind logs every exception a coroutine
     raises with a traceback, and a slow lookup is an expected event that the caller reports."""
+    sufficient = float("inf") if fresh_s is None else get_dht_time() + fresh_s
     try:
-        return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=float("inf")), timeout)
+        return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=sufficient), timeout)
     except asyncio.TimeoutError:
         return None
 

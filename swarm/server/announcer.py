@@ -1,18 +1,15 @@
 """What a stage peer announces in the DHT, and how often.
 
-The record (:class:`PeerRecord`) is re-stored every announce period with an expiration, so a peer
-that dies disappears on its own; while its stage nears a global step it is looked at every
-``FAST_PERIOD_S`` (and at once when gradients arrive) and stored whenever it changed, so that
-replicas see each other's progress in time to close steps on target. A record that did not change
-is not stored again before the announce period is up: a replica that gets no work (standing by) or
-waits for its stage-mates would otherwise store the same record 20 times a second, and every store
-costs the DHT nodes that keep it as much as it costs the replica.
+The record (:class:`PeerRecord`) is re-stored every announce period (tens of seconds by default) with an
+expiration of a few periods, so a peer that dies disappears on its own, and at once when the peer's
+state changes (it joins a stage, goes online, leaves). What changes with every backward pass (pending
+samples, the step reached) does not make a peer store its record again: stage-mates exchange it by
+direct progress calls (:mod:`swarm.server.progress`), and trainers learn what they route by from the
+replies they get. Every store costs the DHT nodes that keep the record as much as it costs the peer.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from typing import List, Optional, Protocol
 
 from swarm import PROTOCOL_VERSION
@@ -20,7 +17,7 @@ from swarm.dht.directory import Directory
 from swarm.dht.records import PeerRecord
 from swarm.server.host import CurrentStage, Loops, Settings, served
 from swarm.server.lifecycle import PeerState
-from swarm.server.steps import FAST_PERIOD_S, StepCoordinator
+from swarm.server.steps import StepCoordinator
 
 __all__ = ["Announcer", "AnnouncerHost"]
 
@@ -38,12 +35,11 @@ class AnnouncerHost(Settings, CurrentStage, Loops, Protocol):
 
 
 class Announcer:
-    """Stores the peer's record in the DHT: every announce period, and as it changes while a step is near."""
+    """Stores the peer's record in the DHT: every announce period, and when the peer's state changes."""
 
     def __init__(self, peer: AnnouncerHost):
         self.peer = peer
-        self.last: Optional[PeerRecord] = None  # the last record stored (every store of it succeeded)
-        self.last_at = -math.inf  # when, on the monotonic clock
+        self.stores = 0  # records stored (each at every level its stage is read at)
 
     def record(self) -> PeerRecord:
         peer, runner, steps = self.peer, self.peer.runner, self.peer.steps
@@ -77,27 +73,17 @@ class Announcer:
             maddrs=",".join(peer.maddrs),
         )
 
-    async def announce(self, only_if_changed: bool = False) -> bool:
-        """Store the record; with ``only_if_changed``, only if it differs from the last one stored or the
-        announce period has passed since. Returns whether it stored (and every store succeeded)."""
+    async def announce(self) -> bool:
+        """Store the record; returns whether every store succeeded."""
         peer, record = self.peer, self.record()
-        if only_if_changed and record == self.last and time.monotonic() - self.last_at < peer.config.announce_period_s:
-            return False
         if peer.directory is None:
             raise RuntimeError("the peer has not started: it has no directory to announce in")
-        stored = await peer.directory.store(record, peer.config.expiration_s)
-        if stored:
-            self.last, self.last_at = record, time.monotonic()
-        return stored
+        self.stores += 1
+        return await peer.directory.store(record, peer.config.expiration_s)
 
     async def run(self) -> None:
-        """Announce every announce period; while the stage nears its global batch, every ``FAST_PERIOD_S``
-        that the record changed."""
+        """Announce every announce period."""
         peer = self.peer
         while not peer.stopping.is_set():
-            near = peer.steps is not None and peer.steps.near_target()
-            await self.announce(only_if_changed=near)
-            if near:
-                await peer.sleep_or_progress("announce", FAST_PERIOD_S, FAST_PERIOD_S)
-            else:  # far from a step: no need to tell anyone about every backward pass
-                await peer.sleep_or_progress(None, peer.config.announce_period_s, 0.0)
+            await self.announce()
+            await peer.sleep_or_progress(None, peer.config.announce_period_s, 0.0)

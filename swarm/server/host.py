@@ -66,4 +66,6 @@ class Loops(Protocol):
 class Records(Protocol):
     """The run's peer records as the peer reads them."""
 
-    async def fetch_records(self) -> Dict[str, PeerRecord]: ...
+    async def fetch_records(
+        self, ask: bool = False, fresh: bool = False, every_stage: bool = False
+    ) -> Dict[str, PeerRecord]: ...

@@ -46,7 +46,7 @@ class StateFacts(NamedTuple):
 
 
 class _Announce(Protocol):
-    async def announce(self, only_if_changed: bool = False) -> bool: ...
+    async def announce(self) -> bool: ...
 
 
 class _Restore(Protocol):
@@ -85,7 +85,7 @@ class Joining:
         peer = self.peer
         if peer.config.stage != "auto":
             return int(peer.config.stage)
-        snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
+        snapshot = to_peer_infos(await peer.fetch_records(every_stage=True), peer.run.num_stages)
         stage = choose_stage_for_new_peer(snapshot, peer.run.num_stages, fitting=peer_fitting_stages(peer.config))
         return await self._settle_auto_stage(stage)
 
@@ -96,7 +96,7 @@ class Joining:
         peer.claim_stage(stage)
         await peer.announcer.announce()
         await asyncio.sleep(random.uniform(0.5, 1.5))
-        snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
+        snapshot = to_peer_infos(await peer.fetch_records(fresh=True), peer.run.num_stages)
         settled = settle_join_choice(
             snapshot, peer.peer_id, stage, peer.run.num_stages, fitting=peer_fitting_stages(peer.config)
         )
@@ -110,7 +110,7 @@ class Joining:
 
         Live replicas that all served a state other than the one they announce count as none."""
         peer = self.peer
-        records = await peer.fetch_records()
+        records = await peer.fetch_records(ask=True, fresh=True)
         others = self._online_others(records)
         if not others or not await self.download_state():
             if others and not self._all_refused(others):
@@ -212,7 +212,7 @@ class Joining:
         deadline, attempts = time.monotonic() + peer.config.state_download_timeout_s, 0
         while time.monotonic() < deadline and (max_attempts is None or attempts < max_attempts):
             attempts += 1
-            records = await peer.fetch_records()
+            records = await peer.fetch_records(ask=True)
             sources = self._sources(records)
             if sources.peer_ids and await self._adopt_first_verified(sources, deadline):
                 return True
@@ -300,7 +300,7 @@ class Joining:
         until = min(deadline, time.monotonic() + CATCH_UP_PERIODS * config.announce_period_s)
         while time.monotonic() < until:
             await asyncio.sleep(config.poll_period_s)
-            sources = self._sources(await self.peer.fetch_records())
+            sources = self._sources(await self.peer.fetch_records(ask=True))
             if not sources.peer_ids or sources.step < step:
                 continue
             if sources.step > step:

@@ -50,7 +50,7 @@ class IllegalTransition(RuntimeError):
 class Lifecycle:
     """A peer's state, the events its loops stop on, and the wait they share."""
 
-    WAKERS = ("announce", "coordinate")  # loops that a gradient's arrival wakes early
+    WAKERS = ("coordinate",)  # loops that progress (gradients accumulated, a stage-mate's record) wakes early
 
     def __init__(self) -> None:
         self._state = PeerState.JOINING
@@ -84,7 +84,7 @@ class Lifecycle:
 
     async def sleep_or_progress(self, waker: Optional[str], period_s: float, min_period_s: float) -> None:
         """Wait ``period_s``, or less (but at least ``min_period_s``) when gradients arrive; stop on leave.
-        ``waker`` names the loop waiting ("announce", "coordinate") or None for one that progress does not wake;
+        ``waker`` names the loop waiting ("coordinate") or None for one that progress does not wake;
         the coordinator also stops waiting when the peer leaves its stage."""
         started = time.monotonic()
         events = [self.stopping, self.stage_done] if waker == "coordinate" else [self.stopping]

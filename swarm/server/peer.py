@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from hivemind import DHT
+from hivemind.p2p import P2P
 from hivemind.utils import get_logger
 
 from swarm.dht.agreement import RunFilter, check_run_agreement
@@ -28,7 +29,7 @@ from swarm.config.settings import PeerConfig
 from swarm.dht.auth import Allowlist
 from swarm.dht.node import identity_of, start_run_dht
 from swarm.net.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
-from swarm.dht.directory import Directory
+from swarm.dht.directory import Directory, probe_period_for
 from swarm.model.footprint import check_peer_fits
 from swarm.model.initial_weights import CheckpointSignature, initial_stage_tensors
 from swarm.metrics import MetricsServer, PeerSnapshot, peer_families, role_registry, start_metrics_server
@@ -45,6 +46,7 @@ from swarm.server.handlers import COMPRESSED_METHODS, HandlerTable, StageHandler
 from swarm.server.host import served
 from swarm.server.joining import Joining
 from swarm.server.lifecycle import Lifecycle, PeerState
+from swarm.server.progress import PROGRESS_METHOD, StageProgress
 from swarm.server.reachability import reach_or_relay
 from swarm.server.rebalance import rebalance_loop
 from swarm.server.runner import StageRunner
@@ -88,6 +90,8 @@ class StagePeer:
         self._tasks: List[asyncio.Task] = []
         self.metrics_server: Optional[MetricsServer] = None  # with --metrics_port
         self.direct: Optional[DirectServer] = None  # large requests around p2pd; None with --direct_port -1
+        self.p2p: Optional[P2P] = None  # the DHT's p2p, which the peer calls other peers through
+        self.progress = StageProgress(self)  # stage-mates' records by direct calls (the step protocol's view)
 
     @property
     def peer_id(self) -> str:
@@ -130,14 +134,20 @@ class StagePeer:
             self.dht = start_run_dht(self.config.network, self.run)
         reach = await reach_or_relay(self.dht, self.config.network, self.run, owns_dht)
         self.dht, self.maddrs, self.reachability = reach.dht, reach.maddrs, reach.verdict
-        p2p = await self.dht.replicate_p2p()
+        p2p = self.p2p = await self.dht.replicate_p2p()
         self.dialer = dialer_for(p2p)
-        self.directory = Directory(self.dht, self.run.run_id, self.run.num_stages, home=self.peer_id)
+        self.directory = Directory(
+            self.dht,
+            self.run.run_id,
+            self.run.num_stages,
+            home=self.peer_id,
+            probe_period_s=probe_period_for(self.config.announce_period_s),
+        )
         await self.directory.read()
         await check_run_agreement(p2p, self.directory.records(), self.run)
         await self._serve_stage(await self.joining.choose_stage())
         self.servicer = RPCServicer(
-            {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler()},
+            {**self.handlers.table(), DIAL_BACK_METHOD: dial_back_handler(), PROGRESS_METHOD: self.progress.answer},
             max_message_bytes=int(self.config.max_message_mb * 2**20),
             max_requests_per_caller=self.config.max_requests_per_caller,
             max_bytes_per_caller=int(self.config.max_mb_per_caller * 2**20),
@@ -317,18 +327,31 @@ class StagePeer:
 
     # ---- shared by the mechanisms ----
 
-    async def fetch_records(self) -> Dict[str, PeerRecord]:
+    async def fetch_records(
+        self, ask: bool = False, fresh: bool = False, every_stage: bool = False
+    ) -> Dict[str, PeerRecord]:
         """The run's peer records as this peer sees them; records of peers with other run settings are left out.
 
-        Its own stage is read on every call (steps are coordinated from it), the other stages at most once an
-        announce period (they matter to joining and rebalancing only). Connects p2pd to the stage-mates it is
-        not connected to yet, at the addresses they announce: averaging and state downloads reach them by peer
-        id alone."""
+        Its own stage and the clock stage (whose replicas tell the step) are read from the DHT at most once an
+        announce period (records are stored no more often), the other stages only with ``every_stage`` (to
+        rebalance); the records its stage-mates and the clock stage's replicas sent or answered by progress
+        calls (:mod:`.progress`) replace the DHT's copies, and with ``ask`` they are asked for them now. With
+        ``fresh`` every stage is read from the DHT now (choosing a stage to join). Connects
+        p2pd to the stage-mates it is not connected to yet, at the addresses they announce: averaging and
+        state downloads reach them by peer id alone."""
         directory = self.directory
         if directory is None:
             raise RuntimeError("the peer has not started: it has no directory to read")
-        await directory.read(directory.stages_due(self.stage, self.config.announce_period_s))
+        period, last = self.config.announce_period_s, self.run.num_stages - 1
+        due = directory.stages_due(None if fresh else self.stage, period, period)
+        if not (fresh or every_stage or self.stage is None):
+            due = [stage for stage in due if stage in (self.stage, last)]
+        if due:
+            await directory.read(due)
         records = self._same_run(directory.records())
+        if ask and self.stage is not None:
+            await self.progress.ask(self.progress.whom_to_ask(records))
+        records = self.progress.merged(records, period)
         if self.dialer is not None:
             await self.dialer.ensure_all(
                 r.peer_id for r in records.values() if r.stage == self.stage and r.peer_id != self.peer_id

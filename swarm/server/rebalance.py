@@ -36,7 +36,7 @@ async def rebalance_loop(peer: RebalanceHost) -> None:
         await peer.sleep_or_progress(None, next_period_s(policy, rng), 0.0)
         if peer.stopping.is_set() or peer.state != PeerState.ONLINE:
             continue
-        snapshot = to_peer_infos(await peer.fetch_records(), peer.run.num_stages)
+        snapshot = to_peer_infos(await peer.fetch_records(every_stage=True), peer.run.num_stages)
         target = decide_move(snapshot, peer.peer_id, peer.run.num_stages, policy)
         if target is not None and target != peer.stage:
             try:

@@ -2,13 +2,17 @@
 
 The decisions (when to close, who waits, when to resync, whom to stop believing) are the pure
 functions of :mod:`swarm.policy.steps`; this module feeds them a :class:`StageView` built from the
-runner and the stage's DHT records, and carries them out: freezing the accumulator, averaging it
-with the other replicas through :class:`StageAverager`, applying the result.
+runner, the stage's DHT records (read once an announce period) and the stage-mates' answers to
+progress calls (:mod:`swarm.server.progress`, near a step every poll period), and carries them out:
+freezing the accumulator, averaging it with the other replicas through :class:`StageAverager`,
+applying the result. The DHT record is not stored again for a step: the stage-mates learn of it from
+progress calls, trainers from the next announcement.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import OrderedDict, deque
 from typing import Deque, Dict, List, Optional, Protocol, Sequence, Set, Tuple
@@ -76,21 +80,14 @@ class _Resync(Protocol):
     async def download_state(self, max_attempts: Optional[int] = None) -> bool: ...
 
 
-class _Announce(Protocol):
-    async def announce(self, only_if_changed: bool = False) -> bool: ...
-
-
 class StepsHost(Settings, CurrentStage, Loops, Records, Protocol):
-    """What the step protocol reads of the peer: the stage it serves and its parts, the stage's records, and
-    the lifecycle's events and waits."""
+    """What the step protocol reads of the peer: the stage it serves and its parts, the stage's records (the
+    DHT's and the replicas' own answers), and the lifecycle's events and waits."""
 
     averager: Optional[StageAverager]
 
     @property
     def joining(self) -> _Resync: ...
-
-    @property
-    def announcer(self) -> _Announce: ...
 
     @property
     def stage_done(self) -> asyncio.Event: ...
@@ -122,6 +119,7 @@ class StepCoordinator:
         self.tentative: Dict[int, float] = {}  # applied step a minority of the stage averaged -> when (majority_group)
         self.samples_per_s: Optional[float] = None  # what the whole stage accumulates, from successive reads
         self._last_read: Optional[Tuple[float, int, int]] = None  # (monotonic time, accum step, stage's pending)
+        self._asked_at = -math.inf  # when the stage-mates were last asked for their progress (monotonic)
 
     # ---- the view the policy decides on ----
 
@@ -255,14 +253,21 @@ class StepCoordinator:
                 logger.exception("step coordination failed; retrying")
             finally:
                 self.room_may_have_changed()
-            view = self.view()
-            waker = "coordinate" if near_target(view) or served(peer.runner, "runner").frozen is not None else None
-            period = seconds_between_reads(view, peer.config.poll_period_s, peer.config.announce_period_s)
-            await peer.sleep_or_progress(waker, period, FAST_PERIOD_S)
+            # gradients accumulated here and progress a stage-mate sent wake the loop: deciding on what is known
+            # costs no message (the stage-mates are asked no more often than seconds_between_reads says)
+            period = seconds_between_reads(self.view(), peer.config.poll_period_s, peer.config.announce_period_s)
+            await peer.sleep_or_progress("coordinate", period, FAST_PERIOD_S)
 
     async def _read_view(self) -> StageView:
-        """The view after a fresh read of the stage's records."""
-        self._observe(await self.peer.fetch_records())
+        """The view after a read of the stage's records: the DHT's, at most once an announce period, and the
+        replicas' own answers to progress calls, once :func:`seconds_between_reads` passed since they were last
+        asked (a wake-up in between, for gradients this replica accumulated or progress a replica sent,
+        decides on what is known)."""
+        config, now = self.peer.config, time.monotonic()
+        ask = now - self._asked_at >= seconds_between_reads(self.view(), config.poll_period_s, config.announce_period_s)
+        if ask:
+            self._asked_at = now
+        self._observe(await self.peer.fetch_records(ask=ask))
         self._measure_rate(self.view())
         return self.view()
 
@@ -309,6 +314,9 @@ class StepCoordinator:
         claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
         frozen = await peer.compute.run(served(peer.runner, "runner").freeze)
         if frozen.step != self._failed_step:
+            # tell the stage-mates at once that this step is closed: they close it too and join the all-reduce
+            self._asked_at = time.monotonic()
+            await peer.fetch_records(ask=True)
             self._failed_step, self._failed_rounds = frozen.step, 0
         mates = stage_mates(view)
         if not mates:
@@ -449,7 +457,6 @@ class StepCoordinator:
             f"stage {peer.stage}: global step {step + 1} with {total_samples} samples from {len(members)} replicas"
             f"{' (tentative: a minority of the stage)' if tentative else ''}"
         )
-        await peer.announcer.announce()
 
     def _confirm(self, view: StageView) -> None:
         """Settle the tentative steps that the stage's majority now holds (its state descends from them),

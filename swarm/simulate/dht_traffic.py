@@ -21,11 +21,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 from swarm.policy.directory import level_for, mean_probe_levels, shard_count, write_levels
 
-__all__ = ["TrafficModel", "shard_value_bytes", "per_peer_bytes_per_s", "calibrate", "MESSAGE_CAP_BYTES"]
+__all__ = [
+    "TrafficModel",
+    "ProgressModel",
+    "shard_value_bytes",
+    "per_peer_bytes_per_s",
+    "progress_bytes_per_s",
+    "trainer_bytes_per_s",
+    "calibrate",
+    "MESSAGE_CAP_BYTES",
+]
 
 MESSAGE_CAP_BYTES = 4 * 1024 * 1024  # hivemind's cap on a unary protobuf message
 
@@ -44,6 +53,9 @@ class TrafficModel:
     replication: int = 5  # nodes a value is stored on (hivemind's num_replicas default)
     hop_bytes: float = 600.0  # request + reply of one lookup hop without values
     overhead: float = 1.0  # bytes on the wire per byte of value (calibrated)
+    # stages a peer reads (its own included): every stage (None), or its own and the clock stage (2), as the
+    # live peer does unless it rebalances
+    stages_read: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.num_stages < 1 or self.record_bytes <= 0 or self.announce_period_s <= 0 or self.read_period_s <= 0:
@@ -73,7 +85,8 @@ def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float
     lookup = hops * model.hop_bytes
     store = len(write_levels(size)) * (lookup + model.replication * model.record_bytes * model.overhead)
     one_stage = shards_read * (lookup + shard_records * model.record_bytes * model.overhead)
-    reads_per_s = 1 / model.read_period_s + (model.num_stages - 1) / model.announce_period_s
+    stages_read = model.num_stages if model.stages_read is None else min(model.stages_read, model.num_stages)
+    reads_per_s = 1 / model.read_period_s + (stages_read - 1) / model.announce_period_s
     written = len(write_levels(size))
     shard_bytes = written * shard_records * model.record_bytes * model.overhead
     probe = model.chains * (mean_probe_levels(level) * lookup + shard_bytes)
@@ -81,7 +94,7 @@ def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float
     rates = {
         "store": 2 * store / model.announce_period_s,
         "read": 2 * one_stage * reads_per_s,
-        "probe": 2 * probe * model.num_stages / model.probe_period_s,
+        "probe": 2 * probe * stages_read / model.probe_period_s,
     }
     rates["total"] = sum(rates.values())
     return rates
@@ -101,3 +114,56 @@ def calibrate(model: TrafficModel, measured: Sequence[tuple]) -> TrafficModel:
     denominator = sum(v * v for v in per_overhead)
     overhead = max(numerator / denominator, 0.0) if denominator > 0 else 1.0
     return dataclasses.replace(model, overhead=overhead)
+
+
+# ---- the control plane as a whole: DHT traffic at minute-scale periods, progress calls near steps ----
+
+
+@dataclass(frozen=True)
+class ProgressModel:
+    """Progress calls between replicas (:mod:`swarm.server.progress`): made only near a global step, every poll
+    period, each one exchange of two small messages."""
+
+    exchange_bytes: float  # one call on the wire, request and reply: payloads, framing and TCP/IP headers
+    poll_period_s: float = 0.25  # live PeerConfig.poll_period_s
+    near_s: float = 5.0  # swarm.policy.steps.NEAR_TARGET_S: how long before a step replicas call each other
+    step_s: float = 60.0  # seconds a global step takes
+    max_asked: int = 8  # swarm.server.progress.MAX_ASKED
+    clock_asked: int = 3  # swarm.server.progress.CLOCK_ASKED
+    clock_watchers: int = 2  # swarm.server.progress.CLOCK_WATCHERS
+
+
+def progress_bytes_per_s(model: ProgressModel, num_peers: int, num_stages: int) -> Dict[str, float]:
+    """Bytes per second of progress calls through one replica, averaged over a step: ``peer`` for a replica of
+    a stage that is not the last, ``clock_peer`` for one of the last (which the other stages' watchers ask).
+
+    A replica asks at most ``max_asked`` stage-mates a period and is asked by as many (a mate that called is
+    not asked back in the same period, so this bounds it from above); of each other stage ``clock_watchers``
+    replicas also ask ``clock_asked`` clock replicas."""
+    replicas = max(1, math.ceil(num_peers / num_stages))
+    near = min(1.0, model.near_s / model.step_s)
+    calls_per_s = near / model.poll_period_s
+    mates = 2 * min(model.max_asked, replicas - 1)
+    watcher_share = model.clock_watchers / replicas * min(model.clock_asked, replicas)
+    clock_in = (num_stages - 1) * model.clock_watchers * min(model.clock_asked, replicas) / replicas
+    return {
+        "peer": calls_per_s * model.exchange_bytes * (mates + (watcher_share if num_stages > 1 else 0.0)),
+        "clock_peer": calls_per_s * model.exchange_bytes * (mates + clock_in),
+    }
+
+
+def trainer_bytes_per_s(
+    model: TrafficModel, num_peers: int, refresh_period_s: float, trainer_record_bytes: float
+) -> float:
+    """Bytes per second one trainer sends and receives: every stage read once a refresh period (a trainer is a DHT
+    client: it serves no lookups), a probe of every stage every ``probe_period_s``, and its own record stored
+    once a refresh period."""
+    hops, size = _hops(num_peers), _stage_size(model, num_peers)
+    level = level_for(size)
+    lookup = hops * model.hop_bytes
+    shards_read = min(1 + model.rotate, shard_count(level))
+    one_stage = shards_read * (lookup + size / shard_count(level) * model.record_bytes * model.overhead)
+    shard_bytes = len(write_levels(size)) * size / shard_count(level) * model.record_bytes * model.overhead
+    probe = model.chains * (mean_probe_levels(level) * lookup + shard_bytes)
+    store = lookup + model.replication * trainer_record_bytes * model.overhead
+    return model.num_stages * (one_stage / refresh_period_s + probe / model.probe_period_s) + store / refresh_period_s

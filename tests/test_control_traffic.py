@@ -1,0 +1,56 @@
+"""A live 2+2 swarm at the default announce, expiration, poll and trainer refresh periods: its steps close on
+the progress calls the replicas exchange, while each peer stores and reads only a few DHT keys a minute.
+
+The bound comes from the design: a peer stores its record once an announce period (30 s: 2 keys a minute at
+one directory level), reads each of the 2 stages once an announce period (4 keys a minute) and probes each
+stage's levels every 8 reads (4 minutes: 8 chains over every level on a first probe, then 4 chains over its
+level and the next, every level on one probe in four; about 14 keys a probe on average, 7 keys a minute for
+the 2 stages): 13 keys a minute. ``MAX_KEYS_PER_MIN`` allows twice that, since a 40 s window may hold a probe
+or a failed lookup repeated; reading the own stage every poll period instead, as steps once did, is 240 reads
+a minute."""
+
+from __future__ import annotations
+
+import time
+
+from tests.test_metrics import free_port, scrape, wait_for_scrape
+
+DEFAULT_PERIODS = ["--announce_period_s", "30", "--expiration_s", "120", "--poll_period_s", "0.25"]
+WINDOW_S = 40.0  # seconds the DHT keys are counted over, once the swarm made its first global step
+MAX_KEYS_PER_MIN = 26.0
+MIN_STEPS = 3  # global steps the clock stage must make within the window (it makes one every second or two)
+
+
+def _keys(samples) -> float:
+    return sum(value for name, value in samples.items() if name.startswith("swarm_dht_keys_total{"))
+
+
+def test_steps_close_on_progress_calls_with_a_few_dht_keys_a_minute(launcher):
+    launcher.bootstrap()
+    ports = [free_port() for _ in range(4)]
+    extra = [[*DEFAULT_PERIODS, "--metrics_port", str(port)] for port in ports]
+    first = [launcher.peer(stage, extra=extra[stage]) for stage in (0, 1)]
+    second = [launcher.peer(stage, extra=extra[2 + stage], wait=False) for stage in (0, 1)]
+    urls = [peer.wait_event("peer_ready", timeout=5)["metrics"] for peer in first]
+    urls += [event["metrics"] for event in launcher.wait_ready(second)]
+    launcher.trainer(extra=["--refresh_period_s", "30", "--batch_size", "8"])
+    wait_for_scrape(urls[1], lambda s: s["swarm_global_step"] >= 1, 120, "a first global step at the clock stage")
+
+    before, started = [scrape(url) for url in urls], time.monotonic()
+    time.sleep(WINDOW_S)
+    after, elapsed = [scrape(url) for url in urls], time.monotonic() - started
+
+    per_min = [(_keys(a) - _keys(b)) * 60.0 / elapsed for a, b in zip(after, before)]
+    detail = [{name: a[name] - b.get(name, 0) for name in a if name.startswith("swarm_dht_keys_total{")}
+              for a, b in zip(after, before)]
+    print(f"DHT keys a minute per peer: {[round(x, 1) for x in per_min]}")
+    assert max(per_min) <= MAX_KEYS_PER_MIN, f"DHT keys a minute per peer: {per_min}; in the window: {detail}"
+    steps = after[1]["swarm_global_step"] - before[1]["swarm_global_step"]
+    assert steps >= MIN_STEPS, f"the clock stage made {steps} global steps in {elapsed:.0f}s"
+    for name, a, b in zip(("s0", "s1", "s0'", "s1'"), after, before):
+        received = 'swarm_rpc_bytes_total{direction="received",method="progress"}'
+        assert a.get(received, 0) > b.get(received, 0), f"peer {name} heard no progress call in the window"
+    # both replicas of each stage applied the same steps: they averaged together, not each alone
+    for stage in (0, 1):
+        mates = [after[stage]["swarm_global_step"], after[2 + stage]["swarm_global_step"]]
+        assert abs(mates[0] - mates[1]) <= 1, f"stage {stage}: replicas at steps {mates}"
