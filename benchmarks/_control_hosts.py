@@ -7,23 +7,28 @@ role sent and received: libp2p's framing, Noise, yamux and TCP included. Two win
 
   idle      every peer online, no trainer started: all a link carries is the control plane (DHT stores and
             lookups, p2pd's keep-alives);
-  training  the trainers train: the link also carries activations, their gradients and the all-reduce.
-            Control bytes = link bytes - the data plane, where the data plane is what the peer's RPC
-            meters count for forward and backward (``swarm_rpc_bytes_total``, payloads) and an all-reduce
-            estimate of ``2 x (replicas - 1) / replicas x`` the stage's parameter bytes per global step it
-            applied (what butterfly all-reduce moves in and out). Both are payload figures without
-            framing, so the control figure of a training window is an upper bound.
+  training  the trainers train: the link also carries activations and their gradients (on the direct
+            channels: nothing else goes there) and the all-reduce (through p2pd). Control bytes = the
+            wire bytes of the host's connections other than direct channels, counted per connection with
+            ``ss`` (payload plus 66 bytes of Ethernet, IP and TCP headers a segment; offloads are off on
+            every link, so a segment is a frame), less an all-reduce estimate of ``2 x (replicas - 1) /
+            replicas x`` the stage's parameter bytes per global step it applied (what butterfly all-reduce
+            moves in and out, plus 4% of headers). Connections that closed within the window are not
+            counted; ``link_bytes_per_s_per_peer`` and ``data_plane_bytes_per_s_per_peer`` show the whole.
 
-The metrics scrapes that read those meters cross the links too; their bytes are subtracted.
+The metrics scrapes that read the peers' steps cross the links too; their bytes are subtracted.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Set, Tuple
 
 from peers.launcher import RoleProcess, stop_all
 from peers.netns import Hosts
@@ -33,6 +38,8 @@ __all__ = ["Layout", "measure_layout"]
 READY_TIMEOUT_S = 300.0
 METRICS_PORT = 9400  # every host is its own namespace: the same port on each
 SCRAPE_OVERHEAD_BYTES = 700  # a scrape's request, HTTP headers and TCP handshake, beyond the body
+SEGMENT_HEADER_BYTES = 66  # Ethernet (14), IP (20) and TCP with timestamps (32) of one segment on a veth
+ALLREDUCE_HEADERS = 1.04  # wire bytes per payload byte of bulk TCP (1448-byte segments)
 
 
 @dataclass(frozen=True)
@@ -71,12 +78,50 @@ def _scrape(url: str) -> Tuple[Dict[str, float], int]:
     return _samples(body.decode()), len(body) + SCRAPE_OVERHEAD_BYTES
 
 
-def _data_plane_bytes(samples: Dict[str, float]) -> float:
-    return sum(
-        value
-        for name, value in samples.items()
-        if name.startswith("swarm_rpc_bytes_total{") and ('method="forward"' in name or 'method="backward"' in name)
-    )
+def _connections(hosts: Hosts, host: int, ports: Set[int], direct: bool) -> Dict[Tuple[str, str], int]:
+    """Wire bytes so far of each of ``host``'s TCP connections to or from one of ``ports`` (``direct``), or of each
+    of the others."""
+    listing = subprocess.run(["ip", "netns", "exec", hosts.namespaces[host], "ss", "-tinH"], capture_output=True,
+                             text=True, timeout=10).stdout.splitlines()
+    out: Dict[Tuple[str, str], int] = {}
+    for head, info in zip(listing, listing[1:]):
+        if head[:1].isspace() or not info[:1].isspace():
+            continue
+        columns = head.split()
+        if len(columns) < 5:
+            continue
+        local, remote = columns[3], columns[4]
+        on_port = int(local.rsplit(":", 1)[1]) in ports or int(remote.rsplit(":", 1)[1]) in ports
+        if on_port != direct:
+            continue
+        fields = dict(re.findall(r"(bytes_sent|bytes_received|segs_out|segs_in):(\d+)", info))
+        payload = int(fields.get("bytes_sent", 0)) + int(fields.get("bytes_received", 0))
+        segments = int(fields.get("segs_out", 0)) + int(fields.get("segs_in", 0))
+        out[(local, remote)] = payload + SEGMENT_HEADER_BYTES * segments
+    return out
+
+
+def _moved(before: Dict[Tuple[str, str], int], after: Dict[Tuple[str, str], int]) -> int:
+    return sum(value - before.get(key, 0) for key, value in after.items())
+
+
+def _direct_port(role: RoleProcess) -> int:
+    match = re.search(r"direct calls: listening on \S+ port (\d+)", role.log_path.read_text(errors="replace"))
+    if match is None:
+        raise RuntimeError(f"{role.name} logged no direct port")
+    return int(match.group(1))
+
+
+def _segment_by_segment(hosts: Hosts) -> None:
+    """Turn segmentation and receive offloads off on every link, so that each TCP segment is one frame on it:
+    a connection's wire bytes are then its payload plus ``SEGMENT_HEADER_BYTES`` a segment, exactly as the
+    link counters count them (with offloads a 64 KiB burst is one frame, headers counted once)."""
+    if shutil.which("ethtool") is None:
+        raise RuntimeError("this benchmark needs ethtool (apt-get install ethtool) to count bytes per segment")
+    for host in range(hosts.count):
+        for namespace, link in ((hosts.namespaces[host], hosts.inside(host)), (hosts.switch, hosts.links[host])):
+            subprocess.run(["ip", "netns", "exec", namespace, "ethtool", "-K", link, "tso", "off", "gso", "off",
+                            "gro", "off"], capture_output=True, check=True, timeout=10)
 
 
 def _link_bytes(hosts: Hosts, host: int) -> int:
@@ -89,6 +134,7 @@ def measure_layout(layout: Layout, model: Sequence[str], window_s: float, log_di
     count = 1 + layout.peers + layout.trainers
     hosts = Hosts(count).create()
     roles: List[RoleProcess] = []
+    _segment_by_segment(hosts)
     run_id = f"ctl{layout.stages}x{layout.replicas}_{hosts.tag}"
 
     def start(role: str, host: int, extra: List[str], name: str) -> RoleProcess:
@@ -114,19 +160,19 @@ def measure_layout(layout: Layout, model: Sequence[str], window_s: float, log_di
         for peer in peers:
             peer.wait_event("peer_ready", max(1.0, deadline - time.monotonic()))
         urls = [f"http://{hosts.address(host)}:{METRICS_PORT}/metrics" for host in peer_hosts]
+        ports = {_direct_port(peer) for peer in peers}
         time.sleep(window_s / 2)  # the joins' reads and stores are over
-        rows = [_window(hosts, layout, urls, peer_hosts, [], window_s, "idle", param_bytes_per_stage)]
+        rows = [_window(hosts, layout, urls, peer_hosts, [], window_s, "idle", param_bytes_per_stage, ports)]
         trainer_hosts = list(range(1 + layout.peers, count))
         trainers = [start("train", host, [*common, "--max_data_mb", "2", "--batch_size", "8", "--log_period_s", "10",
-                                          "--trainer_seed", str(index + 1), "--metrics_port", str(METRICS_PORT),
-                                          "--metrics_host", hosts.address(host)], f"trainer{index}")
+                                          "--trainer_seed", str(index + 1)], f"trainer{index}")
                     for index, host in enumerate(trainer_hosts)]
         for trainer in trainers:
             trainer.wait_event("trainer_ready", READY_TIMEOUT_S)
         if trainers:
             time.sleep(window_s / 2)  # past the first steps
             rows.append(_window(hosts, layout, urls, peer_hosts, trainer_hosts, window_s, "training",
-                                param_bytes_per_stage))
+                                param_bytes_per_stage, ports))
         return rows
     finally:
         stop_all(roles, 15.0)
@@ -134,29 +180,30 @@ def measure_layout(layout: Layout, model: Sequence[str], window_s: float, log_di
 
 
 def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int], trainer_hosts: List[int],
-            window_s: float, phase: str, param_bytes_per_stage: int) -> Dict[str, Any]:
-    trainer_urls = [f"http://{hosts.address(host)}:{METRICS_PORT}/metrics" for host in trainer_hosts]
+            window_s: float, phase: str, param_bytes_per_stage: int, ports: Set[int]) -> Dict[str, Any]:
     scraped = [_scrape(url) for url in urls]
-    trainers_scraped = [_scrape(url) for url in trainer_urls]
-    links = {host: _link_bytes(hosts, host) for host in [0, *peer_hosts, *trainer_hosts]}
+    hosts_measured = [0, *peer_hosts, *trainer_hosts]
+    direct = {host: _connections(hosts, host, ports, True) for host in hosts_measured}
+    other = {host: _connections(hosts, host, ports, False) for host in hosts_measured}
+    links = {host: _link_bytes(hosts, host) for host in hosts_measured}
     started = time.monotonic()
     time.sleep(window_s)
     elapsed = time.monotonic() - started
-    links_after = {host: _link_bytes(hosts, host) for host in links}
+    links_after = {host: _link_bytes(hosts, host) for host in hosts_measured}
+    direct_after = {host: _connections(hosts, host, ports, True) for host in hosts_measured}
+    other_after = {host: _connections(hosts, host, ports, False) for host in hosts_measured}
     scraped_after = [_scrape(url) for url in urls]
-    trainers_after = [_scrape(url) for url in trainer_urls]
+    data = {host: _moved(direct[host], direct_after[host]) for host in hosts_measured}
+    p2pd = {host: _moved(other[host], other_after[host]) for host in hosts_measured}
     per_peer = []
-    for host, (before, first_cost), (after, second_cost) in zip(peer_hosts, scraped, scraped_after):
-        data = _data_plane_bytes(after) - _data_plane_bytes(before)
+    for host, (before, _), (after, scrape_cost) in zip(peer_hosts, scraped, scraped_after):
         steps = after.get("swarm_global_step", 0.0) - before.get("swarm_global_step", 0.0)
-        allreduce = steps * 2 * (layout.replicas - 1) / layout.replicas * param_bytes_per_stage
-        moved = links_after[host] - links[host] - second_cost  # the first scrape ended before the window began
-        per_peer.append({"link": moved, "data": data, "allreduce": allreduce, "steps": steps,
-                         "control": max(0.0, moved - data - allreduce)})
-    per_trainer = [
-        max(0.0, links_after[h] - links[h] - cost - (_data_plane_bytes(after) - _data_plane_bytes(before))) / elapsed
-        for h, (before, _), (after, cost) in zip(trainer_hosts, trainers_scraped, trainers_after)
-    ]
+        allreduce = ALLREDUCE_HEADERS * steps * 2 * (layout.replicas - 1) / layout.replicas * param_bytes_per_stage
+        moved = links_after[host] - links[host] - scrape_cost  # the first scrape ended before the window began
+        control = p2pd[host] - allreduce if trainer_hosts else moved  # idle: the whole link is control
+        per_peer.append({"link": moved, "data": data[host], "allreduce": allreduce, "steps": steps,
+                         "control": max(0.0, control)})
+    per_trainer = [p2pd[h] / elapsed for h in trainer_hosts]
     control = [p["control"] / elapsed for p in per_peer]
     return {
         "stages": layout.stages, "peers": layout.peers, "trainers": len(trainer_hosts), "phase": phase,

@@ -10,7 +10,8 @@ tells each side of the other, and a replica that just joined is known to the rep
 its DHT record is read.
 
 A call carries only what the step protocol reads of a record (:data:`PROGRESS_FIELDS`, about 200 bytes),
-not the whole signed record: p2pd (or the sealed direct channel) says who sent it. It is still a claim,
+not the whole signed record: p2pd says who sent it (the calls go through p2pd, which every peer has, so
+that a stage's direct channel carries its data alone). It is still a claim,
 like a DHT record: the step policy decides how far to believe it. The cost is bounded per read: a replica
 does not ask a stage-mate that called it within the poll period (that call told both sides), asks at
 most ``MAX_ASKED`` stage-mates (those it heard from longest ago, so a large stage is covered over a few
@@ -221,7 +222,6 @@ class StageProgress:
                 {"record": mine},
                 timeout=PROGRESS_TIMEOUT_S,
                 max_reply_bytes=2**16,
-                direct=True,
             )
             self.hear(reply.get("record"), peer_id)
         except Exception as e:  # a dead peer, a timeout, a refusal, a malformed answer
