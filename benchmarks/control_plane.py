@@ -9,8 +9,8 @@ trainers train; control bytes = link bytes - the metered forward/backward payloa
 estimate, an upper bound). 64 live nodes and 16 trainers do not fit this machine's memory (about 300 MB
 a role); ``8x4+8`` is the largest 8-stage layout measured here.
 
-Simulated: :mod:`swarm.simulate.dht_traffic` at the default periods, its per-byte overhead fitted to the
-idle live rows, plus progress calls (:class:`ProgressModel`: one exchange's bytes from the encoded
+Simulated: :mod:`swarm.simulate.dht_traffic` at the default periods (the run's records and lookups; p2pd's
+own traffic, most of an idle live link, is not in it), plus progress calls (:class:`ProgressModel`: one exchange's bytes from the encoded
 messages, calls only near each step), at 1,000 and 10,000 peers and 8 and 64 stages.
 
 Emulated (``--peers``, off by default): N DHT nodes in this one process storing and polling as a peer
@@ -55,7 +55,7 @@ from swarm.policy.directory import SHARD_CAPACITY  # noqa: E402
 from swarm.net.addresses import MAX_MADDR_CHARS, MAX_MADDRS  # noqa: E402
 from swarm.dht.records import MAX_COUNT, MAX_EXCLUDED, MAX_ID_LENGTH, PeerRecord, run_schema_validator  # noqa: E402
 from swarm.simulate.dht_traffic import (  # noqa: E402
-    ProgressModel, TrafficModel, calibrate, per_peer_bytes_per_s, progress_bytes_per_s,
+    ProgressModel, TrafficModel, per_peer_bytes_per_s, progress_bytes_per_s,
     trainer_bytes_per_s,
 )
 from swarm.config.settings import PeerConfig  # noqa: E402
@@ -293,9 +293,10 @@ def live_layouts(args) -> List[dict]:
     return rows
 
 
-def simulated_rows(args, idle_rows: List[dict]) -> List[dict]:
-    """1,000 and 10,000 peers at 8 and 64 stages, from the DHT model at the live default periods (its per-byte
-    overhead fitted to the idle live rows) and the progress-call model."""
+def simulated_rows(args) -> List[dict]:
+    """1,000 and 10,000 peers at 8 and 64 stages, from the DHT model at the live default periods and the
+    progress-call model. The model is not fitted to the live rows: at the new periods most of an idle link's
+    bytes are not the run's records (p2pd's own traffic), which the model does not describe."""
     identity = load_or_create_identity(None)
     record_bytes = stored_record_bytes(identity, RSASignatureValidator(identity.private_key), 0)
     period = args.announce_period_s
@@ -303,8 +304,6 @@ def simulated_rows(args, idle_rows: List[dict]) -> List[dict]:
     for num_stages in (int(x) for x in args.model_stages.split(",")):
         dht = TrafficModel(record_bytes=record_bytes, num_stages=num_stages, announce_period_s=period,
                            read_period_s=period, probe_period_s=probe_period_for(period), stages_read=2)
-        if idle_rows:
-            dht = calibrate(dht, [(r["peers"], r["bytes_per_s_per_peer_in_plus_out"]) for r in idle_rows])
         progress = ProgressModel(exchange_bytes=_exchange_bytes(), step_s=args.model_step_s)
         for num_peers in (int(x) for x in args.model_peers.split(",")):
             calls = progress_bytes_per_s(progress, num_peers, num_stages)
@@ -368,7 +367,7 @@ def main(argv: List[str]) -> int:
           f"hivemind's validators, {checking['remembered']} ms once the node remembers them", flush=True)
     rows = live_layouts(args) if args.layouts else []
     if args.model_peers:
-        rows += simulated_rows(args, [r for r in rows if r["phase"] == "idle"])
+        rows += simulated_rows(args)
     rows += emulated(args)
     raw = {f"control_per_peer[{r['stages']}x{r['peers'] // r['stages']}+{r['trainers']} {r['phase']}]":
            r.pop("_control_per_peer") for r in rows if "_control_per_peer" in r}
@@ -379,8 +378,8 @@ def main(argv: List[str]) -> int:
                  notes=["live rows: every role in its own network namespace at the default periods; bytes counted at "
                         "its link (framing, Noise, yamux, TCP included). A training row's control bytes are the link's "
                         "minus the metered forward/backward payloads and an all-reduce estimate (an upper bound).",
-                        "simulated rows: swarm/simulate/dht_traffic at the default periods, its overhead fitted to the "
-                        "idle live rows, plus progress calls near each step (model_step_s per step).",
+                        "simulated rows: swarm/simulate/dht_traffic at the default periods (the run's records and "
+                        "lookups, not p2pd's own traffic), plus progress calls near each step (model_step_s per step).",
                         f"check_ms_per_shard_answer: {checking}",
                         "Raw values: the control bytes per second of every peer in each live window."])
     print(json.dumps(rows))

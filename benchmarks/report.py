@@ -41,7 +41,7 @@ WHAT = {
     "wan": "a 2-stage swarm across network namespaces with tc-limited links: tokens/s and bytes per sample",
     "relay": "a trainer through a stage peer that accepts no incoming connections, against a reachable one",
     "containers": "the Docker image and the compose swarm: build, start, train, tear down",
-    "control_plane": "DHT traffic per peer, record and message sizes, lookup latency, live and modelled",
+    "control_plane": "control-plane bytes per peer, trainer and bootstrap, counted at network-namespace links and modelled",
     "step_traffic": "DHT keys each training stage peer stores and reads per second, at short and long steps",
     "simulate": "the 1,000-peer simulation and the SWARM paper's rebalancing experiment",
     "gpu": "a Llama-class stage's training throughput and MFU, a 2-stage swarm against one process on one GPU, "
