@@ -34,3 +34,30 @@ def test_calibration_recovers_the_overhead():
     assert fitted.overhead == pytest.approx(2.5, rel=1e-6)
     with pytest.raises(ValueError):
         TrafficModel(record_bytes=0.0, num_stages=4)
+
+
+def test_progress_calls_are_bounded_per_replica_whatever_the_stage_size():
+    from swarm.simulate.dht_traffic import ProgressModel, progress_bytes_per_s
+
+    model = ProgressModel(exchange_bytes=700.0)
+    small = progress_bytes_per_s(model, 16, 2)["peer"]
+    assert progress_bytes_per_s(model, 10_000, 8)["peer"] == pytest.approx(
+        progress_bytes_per_s(model, 1_000, 8)["peer"], rel=0.05), "asks are capped, not one per stage-mate"
+    assert small < progress_bytes_per_s(model, 1_000, 8)["peer"]  # 7 mates against the cap of 8 (and watchers)
+    # longer steps: the near window is a smaller share of the time
+    assert progress_bytes_per_s(ProgressModel(exchange_bytes=700.0, step_s=120.0), 1_000, 8)["peer"] < (
+        progress_bytes_per_s(model, 1_000, 8)["peer"])
+    # the clock's replicas are asked by every other stage's watchers: more when stages are many and small
+    many = progress_bytes_per_s(model, 1_000, 64)
+    assert many["clock_peer"] > many["peer"]
+
+
+def test_a_peer_that_reads_two_stages_costs_less_than_one_that_reads_them_all():
+    from swarm.simulate.dht_traffic import TrafficModel, per_peer_bytes_per_s, trainer_bytes_per_s
+
+    every = TrafficModel(record_bytes=1200, num_stages=64, announce_period_s=30.0, read_period_s=30.0)
+    two = TrafficModel(record_bytes=1200, num_stages=64, announce_period_s=30.0, read_period_s=30.0, stages_read=2)
+    assert per_peer_bytes_per_s(two, 1_000)["total"] < per_peer_bytes_per_s(every, 1_000)["total"] / 10
+    # a trainer reads every stage: its bytes grow with the number of stages
+    assert trainer_bytes_per_s(every, 1_000, 30.0, 400.0) > 8 * trainer_bytes_per_s(
+        TrafficModel(record_bytes=1200, num_stages=8, announce_period_s=30.0, read_period_s=30.0), 1_000, 30.0, 400.0)
