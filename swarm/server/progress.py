@@ -110,7 +110,6 @@ class StageProgress:
         self.heard: "OrderedDict[str, _Heard]" = OrderedDict()
         self.silent: Dict[str, int] = {}  # peer id -> progress calls in a row it did not answer
         self._asked_silent_at: Dict[str, float] = {}  # peer id -> when a silent replica was last asked anyway
-        self.calls = 0  # progress calls made (for benchmarks and tests)
 
     # ---- answering ----
 
@@ -213,7 +212,6 @@ class StageProgress:
         p2p = self.peer.p2p
         if p2p is None:
             raise RuntimeError("the peer has not started: it has no p2p to call through")
-        self.calls += 1
         try:
             reply = await call_peer(
                 p2p,
