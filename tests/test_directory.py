@@ -174,6 +174,7 @@ class _MemoryDHT:
         return future
 
     def run_coroutine(self, fn, return_future):
+        self.fresh_s = fn.keywords["fresh_s"]
         found = {}
         for key in fn.keywords["keys"]:
             live = {subkey: item for subkey, item in self.table.get(key, {}).items()
@@ -255,6 +256,44 @@ def test_a_small_stage_is_read_whole_and_a_withdrawn_record_leaves_the_view(iden
         writers[0].stages[0].probed_at = _Clock.now  # no probe due: the whole level-0 key is read
         await writers[0].read()
         assert set(writers[0].records()) == {dht.identity.peer_id for dht in dhts[:2]}
+
+    asyncio.run(go())
+
+
+def test_a_fresh_copy_adds_records_and_withdrawals_while_only_a_whole_read_drops_what_it_lacks(
+        identities, monkeypatch):
+    """A read that stops at the first fresh copy may get one that missed a store: the records it lacks stay in the
+    view (till they expire or a whole read drops them), a withdrawal in it leaves; a node that serves the DHT reads
+    whole until it settled (its own copy holds only the stores since it started)."""
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(dht_io, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(directory_module, "time", SimpleNamespace(monotonic=lambda: _Clock.now))
+    table, reads = {}, []
+    dhts = [_MemoryDHT(table, identity, reads) for identity in identities[:4]]
+    writers = [Directory(dht, "run", 1, home=dht.identity.peer_id) for dht in dhts]
+    reader_dht = dhts[0]
+    reader = Directory(reader_dht, "run", 1, home=reader_dht.identity.peer_id, fresh_s=60.0, settle_s=45.0)
+    reader.stages[0].probed_at = _Clock.now + 1e6  # no probe due in this test: probes always read whole
+    key = stage_key("run", 0)
+    ids = [dht.identity.peer_id for dht in dhts]
+
+    async def go():
+        for writer, dht in zip(writers, dhts):
+            await writer.store(_record(dht.identity, 0), expiration_s=120.0)
+        await reader.read()
+        assert reader_dht.fresh_s is None and set(reader.records()) == set(ids)  # not settled: whole
+        _Clock.now += 46.0
+        missing = table[key].pop(dhts[3].identity.owner_subkey)  # this copy missed one owner's store
+        await reader.read()
+        assert reader_dht.fresh_s == 60.0 and set(reader.records()) == set(ids)  # kept: the copy may be partial
+        await dht_io.store_record(dhts[2], key, None, expiration_s=120.0)  # the owner leaves
+        await reader.read()
+        assert set(reader.records()) == set(ids) - {ids[2]}
+        await reader.read(whole=True)
+        assert reader_dht.fresh_s is None and set(reader.records()) == set(ids[:2])
+        table[key][dhts[3].identity.owner_subkey] = missing
+        await reader.read()
+        assert set(reader.records()) == set(ids) - {ids[2]}
 
     asyncio.run(go())
 

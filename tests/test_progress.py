@@ -178,8 +178,9 @@ class _Directory:
     def stages_due(self, focus, others_period_s, focus_period_s=0.0):
         return list(range(self.num_stages))
 
-    async def read(self, stages):
+    async def read(self, stages, whole=False):
         self.reads.append(sorted(stages))
+        self.whole = whole
 
     def records(self):
         return {}
@@ -195,3 +196,4 @@ async def test_a_peer_reads_its_own_stage_and_the_clock_unless_it_needs_every_st
     peer.directory, peer.stage = _Directory(4), 1
     await peer.fetch_records(**kwargs)
     assert peer.directory.reads == [expected]
+    assert peer.directory.whole == bool(kwargs.get("fresh"))  # choosing a stage asks every node near each key

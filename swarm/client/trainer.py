@@ -37,7 +37,7 @@ from swarm.training.data import Corpus, load_corpus, load_hf_dataset, validation
 from swarm.training.tokenized import TokenizedCorpus, load_tokenized_corpus, make_sampler
 from swarm.training.tokenizer import load_run_tokenizer
 from swarm.dht.node import start_run_dht
-from swarm.dht.directory import Directory, fresh_for, probe_period_for
+from swarm.dht.directory import Directory, fresh_for, probe_period_for, settle_for
 from swarm.dht.store import fetch_records, store_record
 from swarm.metrics import MetricsServer, TrainerSnapshot, role_registry, start_metrics_server, trainer_families
 from swarm.policy.aggregation import banned_by_majority
@@ -257,12 +257,11 @@ class Trainer:
                 self.run.num_stages,
                 home=self.trainer_id,
                 probe_period_s=probe_period_for(self.config.refresh_period_s),
-                # a DHT client keeps no values, so its first fresh answer is another node's whole copy (a node
-                # that serves the DHT holds whatever stores reached it, and would stop at its own partial copy);
-                # the peers' periods are theirs to set: the defaults' margin
-                fresh_s=None
-                if self.config.serve_dht
-                else fresh_for(PeerConfig.expiration_s, PeerConfig.announce_period_s),
+                # the peers' periods are theirs to set: the defaults' margin. A DHT client keeps no values, so
+                # its first fresh answer is another node's whole copy; a node that serves the DHT answers from its
+                # own copy, whole only once every owner re-stored to it
+                fresh_s=fresh_for(PeerConfig.expiration_s, PeerConfig.announce_period_s),
+                settle_s=settle_for(PeerConfig.announce_period_s) if self.config.serve_dht else 0.0,
             )
         await self.directory.read(timeout=min(self.config.refresh_period_s * 5, 10.0), strict=strict)
         return self._same_run(self.directory.records())

@@ -33,9 +33,9 @@ from swarm.policy.directory import (
     write_levels,
 )
 from swarm.net.dialing import address_book
-from swarm.dht.records import PeerRecord, shard_key
+from swarm.dht.records import PeerRecord, shard_key, withdrawn_ids
 
-__all__ = ["Directory", "fetch_stage_records", "fresh_for", "probe_period_for"]
+__all__ = ["Directory", "fetch_stage_records", "fresh_for", "probe_period_for", "settle_for"]
 
 logger = get_logger(__name__)
 PROBE_PERIOD_S = 10.0  # seconds between probes of a stage's levels, at least (see probe_period_for)
@@ -74,6 +74,12 @@ def fresh_for(expiration_s: float, announce_period_s: float) -> Optional[float]:
     return fresh if fresh > 0 else None
 
 
+def settle_for(announce_period_s: float) -> float:
+    """``Directory.settle_s`` of a node that serves the DHT in a run whose records are re-stored every
+    ``announce_period_s``: a period and a half, so that every owner's next store reached it."""
+    return 1.5 * announce_period_s
+
+
 def probe_period_for(read_period_s: float) -> float:
     """The probe period of a reader that reads each stage every ``read_period_s``: a probe every
     ``PROBE_READS`` reads (every read would be a probe once the reads are further apart than
@@ -88,9 +94,11 @@ class Directory:
     stage-mates of its own shard). ``rotate``: shards read per stage per read besides the home shard
     (-1: every shard, for readers that want the whole swarm at any cost). ``fresh_s``: a lookup of a shard stops
     at the first node whose copy took a store lately (it outlives ``fresh_s`` seconds from now; records are
-    re-stored every announce period), rather than asking every node near the key; None asks them all. Only for
-    a reader that keeps no values itself (a DHT client): a node that serves the DHT would stop at its own copy,
-    which holds only the stores that reached it."""
+    re-stored every announce period), rather than asking every node near the key; None asks them all.
+    ``settle_s``: for a reader whose node serves the DHT, the seconds after this directory's creation during which
+    every read still asks all the nodes near a key. Such a node answers a lookup from its own copy first, and
+    holds only the stores that reached it since it started: once every owner re-stored (an announce period and a
+    margin), its copy is whole. A reader that keeps no values (a DHT client) needs none."""
 
     def __init__(
         self,
@@ -101,21 +109,27 @@ class Directory:
         rotate: int = 1,
         probe_period_s: float = PROBE_PERIOD_S,
         fresh_s: Optional[float] = None,
+        settle_s: float = 0.0,
     ):
         self.dht, self.run_id, self.num_stages, self.home = dht, run_id, num_stages, home
         self.rotate, self.probe_period_s, self.fresh_s = rotate, probe_period_s, fresh_s
+        self.settled_at = time.monotonic() + settle_s
         self.stages = [_Stage() for _ in range(num_stages)]
 
     # ---- reading ----
 
-    async def read(self, stages: Optional[Iterable[int]] = None, timeout: float = 5.0, strict: bool = False) -> bool:
+    async def read(
+        self, stages: Optional[Iterable[int]] = None, timeout: float = 5.0, strict: bool = False, whole: bool = False
+    ) -> bool:
         """Read ``stages`` (default: every stage) in one DHT traversal and update the view; whether the read
-        succeeded. A failed read keeps the view as it was, or with ``strict`` raises ``LookupError``."""
+        succeeded. A failed read keeps the view as it was, or with ``strict`` raises ``LookupError``. ``whole``
+        asks every node near each key, as a probe does, even where ``fresh_s`` would stop at the first fresh copy
+        (a reader that must not miss a record: choosing a stage to join)."""
         identity_of(self.dht)  # a DHT without the signature validator would return unverified values
         stages = list(range(self.num_stages)) if stages is None else list(stages)
         now = time.monotonic()
         plans = {stage: self._plan(stage, now) for stage in stages}
-        if not await self._read_plans(plans, timeout, strict, now):
+        if not await self._read_plans(plans, timeout, strict, now, whole):
             return False
         # a probe that moved a whole-swarm reader to a sharded level: the rest of that level at once
         second = {
@@ -123,7 +137,7 @@ class Directory:
             for stage in stages
             if self.rotate < 0 and plans[stage][0] and self.stages[stage].level > 0
         }
-        return await self._read_plans(second, timeout, strict, now) if second else True
+        return await self._read_plans(second, timeout, strict, now, whole) if second else True
 
     def _plan(self, stage: int, now: float) -> Tuple[List[List[str]], Dict[str, Tuple[int, int]]]:
         """The probe chains (empty: no probe) and the keys, key -> (level, shard), of one stage's next read."""
@@ -150,13 +164,15 @@ class Directory:
         timeout: float,
         strict: bool,
         now: float,
+        whole: bool = False,
     ) -> bool:
         keys = sorted({key for _, keyed in plans.values() for key in keyed})
         probing = any(chains for chains, _ in plans.values())  # a probe counts what every node holds
+        whole = whole or probing or now < self.settled_at
         try:
             found = await asyncio.wait_for(
                 self.dht.run_coroutine(
-                    partial(get_many_in_dht, keys=keys, timeout=timeout, fresh_s=None if probing else self.fresh_s),
+                    partial(get_many_in_dht, keys=keys, timeout=timeout, fresh_s=None if whole else self.fresh_s),
                     return_future=True,
                 ),
                 timeout + 1.0,
@@ -177,16 +193,19 @@ class Directory:
             return False
         count_dht("read", True, len(keys))
         for stage, (chains, keyed) in plans.items():
-            self._update(
-                stage, chains, {key: (level, shard, found.get(key)) for key, (level, shard) in keyed.items()}, now
-            )
+            values = {key: (level, shard, found.get(key)) for key, (level, shard) in keyed.items()}
+            self._update(stage, chains, values, now, whole)
         return True
 
     def _update(
-        self, stage: int, chains: List[List[str]], values: Dict[str, Tuple[int, int, object]], now: float
+        self, stage: int, chains: List[List[str]], values: Dict[str, Tuple[int, int, object]], now: float, whole: bool
     ) -> None:
         known = self.stages[stage]
         parsed = {key: (level, shard, parse_value(key, raw, PeerRecord)) for key, (level, shard, raw) in values.items()}
+        withdrawn: Dict[str, float] = {}
+        for _, _, raw in values.values():
+            for peer_id, expiration in withdrawn_ids(getattr(raw, "value", None)).items():
+                withdrawn[peer_id] = max(withdrawn.get(peer_id, 0.0), expiration)
         if chains:
             estimate = sum(self._chain_estimate([parsed[key] for key in chain]) for chain in chains) / len(chains)
             # a probe sees about one shard's worth of records: smoothed, so that readers' levels agree
@@ -198,13 +217,19 @@ class Directory:
                 logger.debug(f"stage {stage}: directory level {known.level} -> {level} (~{known.estimate:.0f} records)")
                 known.level, known.cursor, known.home_count = level, 0, -1
             known.probed_at, known.probes, known.probe_failures = now, known.probes + 1, 0
-        read_shards = {shard for level, shard, _ in parsed.values() if level == known.level}
-        # a record of a shard read just now that the shard no longer holds has gone (withdrawn or moved)
-        known.records = {
-            peer_id: entry
-            for peer_id, entry in known.records.items()
-            if shard_of(peer_id, known.level) not in read_shards
-        }
+        if whole:
+            # a record of a shard read whole just now that the shard no longer holds has gone (withdrawn or moved);
+            # the first fresh copy of a shard may lack a record that reached other nodes, which stays till it expires
+            read_shards = {shard for level, shard, _ in parsed.values() if level == known.level}
+            known.records = {
+                peer_id: entry
+                for peer_id, entry in known.records.items()
+                if shard_of(peer_id, known.level) not in read_shards
+            }
+        else:  # a withdrawal newer than the record seen is seen in any copy that took it
+            known.records = {
+                peer_id: entry for peer_id, entry in known.records.items() if withdrawn.get(peer_id, 0.0) < entry[1]
+            }
         home = shard_of(self.home, known.level)
         for key, (level, shard, entries) in parsed.items():
             if level == known.level and shard == home:

@@ -30,6 +30,7 @@ from swarm.dht.validator_cache import RememberingValidator
 __all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
 
 logger = get_logger(__name__)
+FRESH_LOOKUP_WORKERS = 2  # nodes asked at once by a lookup that stops at the first fresh copy (hivemind's default: 4)
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
 
@@ -139,8 +140,13 @@ async def get_many_in_dht(
     before its DHT forks. A timeout is returned rather than raised: hivemind logs every exception a coroutine
     raises with a traceback, and a slow lookup is an expected event that the caller reports."""
     sufficient = float("inf") if fresh_s is None else get_dht_time() + fresh_s
+    # a lookup that stops at the first fresh copy asks few nodes at once: more in flight would each send a whole
+    # copy back after the first one already sufficed
+    workers = {} if fresh_s is None else {"num_workers": FRESH_LOOKUP_WORKERS}
     try:
-        return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=sufficient), timeout)
+        return await asyncio.wait_for(
+            node.get_many(list(keys), sufficient_expiration_time=sufficient, **workers), timeout
+        )
     except asyncio.TimeoutError:
         return None
 

@@ -292,6 +292,23 @@ def parse_entries(value: object, model: Type[R]) -> Tuple[Dict[str, Tuple[R, flo
     return entries, refused
 
 
+def withdrawn_ids(value: object) -> Dict[str, float]:
+    """The ids whose owners withdrew their record (``None`` under their owner subkey) in the value of a subkeyed
+    DHT entry, each with the withdrawal's expiration time; subkeys of any other form are left out."""
+    if not isinstance(value, dict):
+        return {}
+    withdrawn: Dict[str, float] = {}
+    for subkey, item in value.items():
+        if getattr(item, "value", 0) is not None:
+            continue
+        try:
+            owner = peer_id_of(owner_public_key(subkey))
+        except ValueError:
+            continue
+        withdrawn[owner] = max(withdrawn.get(owner, 0.0), float(getattr(item, "expiration_time", 0.0)))
+    return withdrawn
+
+
 def parse_records(value: object, model: Type[R]) -> Tuple[Dict[str, R], List[str]]:
     """Like ``parse_entries``, without the expiration times."""
     entries, refused = parse_entries(value, model)

@@ -29,7 +29,7 @@ from swarm.config.settings import PeerConfig
 from swarm.dht.auth import Allowlist
 from swarm.dht.node import identity_of, start_run_dht
 from swarm.net.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
-from swarm.dht.directory import Directory, probe_period_for
+from swarm.dht.directory import Directory, fresh_for, probe_period_for, settle_for
 from swarm.model.footprint import check_peer_fits
 from swarm.model.initial_weights import CheckpointSignature, initial_stage_tensors
 from swarm.metrics import MetricsServer, PeerSnapshot, peer_families, role_registry, start_metrics_server
@@ -142,6 +142,8 @@ class StagePeer:
             self.run.num_stages,
             home=self.peer_id,
             probe_period_s=probe_period_for(self.config.announce_period_s),
+            fresh_s=fresh_for(self.config.expiration_s, self.config.announce_period_s),
+            settle_s=settle_for(self.config.announce_period_s),
         )
         await self.directory.read()
         await check_run_agreement(p2p, self.directory.records(), self.run)
@@ -336,7 +338,7 @@ class StagePeer:
         announce period (records are stored no more often), the other stages only with ``every_stage`` (to
         rebalance); the records its stage-mates and the clock stage's replicas sent or answered by progress
         calls (:mod:`.progress`) replace the DHT's copies, and with ``ask`` they are asked for them now. With
-        ``fresh`` every stage is read from the DHT now (choosing a stage to join). Connects
+        ``fresh`` every stage is read from the DHT now, from every node near its keys (choosing a stage to join). Connects
         p2pd to the stage-mates it is not connected to yet, at the addresses they announce: averaging and
         state downloads reach them by peer id alone."""
         directory = self.directory
@@ -347,7 +349,7 @@ class StagePeer:
         if not (fresh or every_stage or self.stage is None):
             due = [stage for stage in due if stage in (self.stage, last)]
         if due:
-            await directory.read(due)
+            await directory.read(due, whole=fresh)
         records = self._same_run(directory.records())
         if ask and self.stage is not None:
             await self.progress.ask(self.progress.whom_to_ask(records))
