@@ -202,10 +202,6 @@ class Directory:
     ) -> None:
         known = self.stages[stage]
         parsed = {key: (level, shard, parse_value(key, raw, PeerRecord)) for key, (level, shard, raw) in values.items()}
-        withdrawn: Dict[str, float] = {}
-        for _, _, raw in values.values():
-            for peer_id, expiration in withdrawn_ids(getattr(raw, "value", None)).items():
-                withdrawn[peer_id] = max(withdrawn.get(peer_id, 0.0), expiration)
         if chains:
             estimate = sum(self._chain_estimate([parsed[key] for key in chain]) for chain in chains) / len(chains)
             # a probe sees about one shard's worth of records: smoothed, so that readers' levels agree
@@ -227,6 +223,10 @@ class Directory:
                 if shard_of(peer_id, known.level) not in read_shards
             }
         else:  # a withdrawal newer than the record seen is seen in any copy that took it
+            withdrawn: Dict[str, float] = {}
+            for _, _, raw in values.values():
+                for peer_id, expiration in withdrawn_ids(getattr(raw, "value", None)).items():
+                    withdrawn[peer_id] = max(withdrawn.get(peer_id, 0.0), expiration)
             known.records = {
                 peer_id: entry for peer_id, entry in known.records.items() if withdrawn.get(peer_id, 0.0) < entry[1]
             }
