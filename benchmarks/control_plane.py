@@ -1,7 +1,7 @@
 """Control-plane benchmark: the bytes a stage peer, a trainer and the bootstrap spend on coordination, live and modelled.
 
-Live (``--layouts``, needs root): a whole swarm at the default periods (announce 30 s, expiration 120 s,
-poll 0.25 s near a step, trainer refresh 30 s), every role on its own host of ``peers/netns.py``
+Live (``--layouts``, needs root): a whole swarm at the default periods (announce 60 s, expiration 180 s,
+poll 0.25 s near a step, trainer refresh 60 s), every role on its own host of ``peers/netns.py``
 (198.18.0.0/15, one bridge), counted at each host's link, so libp2p's framing, Noise, yamux and TCP are
 in (``benchmarks/_control_hosts.py``). Each layout ``STAGESxREPLICAS+TRAINERS`` is measured in two windows:
 idle (every peer online, no trainer yet: all its link carries is control traffic) and training (the

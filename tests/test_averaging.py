@@ -153,7 +153,7 @@ class _HungDHT:
     def __init__(self):
         self.values = []
 
-    def store(self, key, subkey, value, expiration_time, return_future):
+    def store(self, key, subkey, value, expiration_time, return_future, **traversal):
         self.values.append(value)
         return asyncio.get_running_loop().create_future()
 

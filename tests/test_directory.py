@@ -20,6 +20,7 @@ import swarm.policy.directory as layout
 from swarm import PROTOCOL_VERSION
 from swarm.dht.directory import Directory
 from swarm.dht.identity import load_or_create_identity
+from swarm.dht.node import NUM_REPLICAS
 from swarm.policy.directory import (
     MAX_LEVEL, PROBE_REACH, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, probe_levels, level_for, shard_count,
     shard_of, shards_to_read, write_levels,
@@ -167,7 +168,10 @@ class _MemoryDHT:
     def __init__(self, table: Dict[str, Dict[bytes, ValueWithExpiration]], identity, reads: List[int]):
         self.table, self.identity, self.reads = table, identity, reads
 
-    def store(self, key, value, expiration_time, subkey, return_future):
+    def store(self, key, value, expiration_time, subkey, return_future, beam_size, num_workers):
+        # a store walks only to the nodes that keep the value: the default beam would ask 20 nodes, and each one
+        # that holds the key would send its whole copy back
+        assert beam_size == NUM_REPLICAS and num_workers <= 2, (beam_size, num_workers)
         self.table.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
         future = asyncio.get_running_loop().create_future()
         future.set_result(True)

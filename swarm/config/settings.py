@@ -180,9 +180,9 @@ class PeerConfig:
             "help": "emulate a slower device: sleep this long per sample of backward work (0 = off; costs no CPU)"
         },
     )
-    announce_period_s: float = 30.0  # seconds between DHT announcements (stage-mates exchange progress directly)
+    announce_period_s: float = 60.0  # seconds between DHT announcements (stage-mates exchange progress directly)
     expiration_s: float = (
-        120.0  # seconds a DHT record outlives its announcement (failed calls route around a dead peer sooner)
+        180.0  # seconds a DHT record outlives its announcement (failed calls route around a dead peer sooner)
     )
     poll_period_s: float = (
         0.25  # seconds between progress calls to the stage-mates while the stage nears its global batch
@@ -368,7 +368,7 @@ class TrainerConfig:
     forward_timeout_s: float = 30.0  # seconds one forward call may take
     backward_timeout_s: float = 60.0  # seconds one backward call may take
     max_retries: int = 8  # attempts per stage call before the micro-batch fails
-    refresh_period_s: float = 30.0  # seconds between DHT snapshots of the swarm (and at once after a failed call)
+    refresh_period_s: float = 60.0  # seconds between DHT snapshots of the swarm (and at once after a failed call)
     peer_grace_s: float = 5.0  # seconds a peer must be missing from the DHT before its unconfirmed work is re-sent
     log_period_s: float = 5.0  # seconds between progress lines
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed

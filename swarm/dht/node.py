@@ -27,10 +27,16 @@ from swarm.net.listening import listen_and_announce
 from swarm.dht.records import run_schema_validator
 from swarm.dht.validator_cache import RememberingValidator
 
-__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers"]
+__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers", "STORE_TRAVERSAL"]
 
 logger = get_logger(__name__)
 FRESH_LOOKUP_WORKERS = 2  # nodes asked at once by a lookup that stops at the first fresh copy (hivemind's default: 4)
+NUM_REPLICAS = 5  # nodes that keep each stored value (hivemind's default)
+# how a store finds the nodes to keep its value: hivemind's walk goes on until it has asked the key's 20 nearest nodes
+# (its bucket size), and every node that holds the key sends its whole copy back with its answer; a store needs only
+# the NUM_REPLICAS nearest, so its walk stops once it has asked that many (a read that asks every node near the key
+# still walks the wider beam, so it meets them)
+STORE_TRAVERSAL: Dict[str, int] = {"beam_size": NUM_REPLICAS, "num_workers": FRESH_LOOKUP_WORKERS}
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
 
@@ -86,6 +92,7 @@ def start_dht(
             cache_on_store=False,
             cache_nearest=0,
             cache_refresh_before_expiry=0,
+            num_replicas=NUM_REPLICAS,
             **extra,
         )
     dht.listen_maddrs = host_maddrs

@@ -16,7 +16,7 @@ from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 from pydantic import BaseModel
 
-from swarm.dht.node import identity_of
+from swarm.dht.node import STORE_TRAVERSAL, identity_of
 from swarm.metrics import count_dht
 from swarm.dht.records import parse_entries, record_id_of
 
@@ -41,7 +41,14 @@ async def store_record(
     try:
         stored = bool(
             await asyncio.wait_for(
-                dht.store(key, value, get_dht_time() + expiration_s, subkey=identity.owner_subkey, return_future=True),
+                dht.store(
+                    key,
+                    value,
+                    get_dht_time() + expiration_s,
+                    subkey=identity.owner_subkey,
+                    return_future=True,
+                    **STORE_TRAVERSAL,
+                ),
                 timeout,
             )
         )

@@ -48,6 +48,7 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.auth import Allowlist
+from swarm.dht.node import STORE_TRAVERSAL
 from swarm.hivemind_private import register_decoder, wrap_join_request
 from swarm.net.compression import (
     DEFAULT_BLOCK_SIZE,
@@ -420,7 +421,12 @@ class StageAverager(StateSharingAverager):
         try:
             await asyncio.wait_for(
                 self.dht.store(
-                    key, subkey=self.peer_id.to_bytes(), value=value, expiration_time=expiration, return_future=True
+                    key,
+                    subkey=self.peer_id.to_bytes(),
+                    value=value,
+                    expiration_time=expiration,
+                    return_future=True,
+                    **STORE_TRAVERSAL,
                 ),
                 max(0.0, expiration - get_dht_time()),
             )
