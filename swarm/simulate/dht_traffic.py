@@ -4,10 +4,12 @@ It follows the live layout and readers (:mod:`swarm.policy.directory`, :mod:`swa
 stage's records are split into ``2**level`` shards of about ``SHARD_CAPACITY`` records. Every peer
 
 - re-stores its record every ``announce_period_s`` at each level it writes (``write_levels``; a store
-  is a Kademlia lookup of ``log2(N)`` hops, then the record to ``replication`` nodes);
+  is a Kademlia lookup of ``log2(N)`` hops, then the record to ``replication`` nodes; the lookup's last
+  hops ask those nodes, and each answers with its whole copy of the shard: hivemind's ``find`` carries it);
 - reads its own stage every ``read_period_s`` (its own shard and ``rotate`` more), and every other stage
   every ``announce_period_s`` (the same number of shards): one lookup per shard, ``log2(N)`` small hops,
-  and the shard's records from one holder;
+  and the shard's records from ``read_copies`` holders (a read stops at the first fresh copy, but the
+  nodes asked at the same time answer too);
 - probes every stage every ``probe_period_s``: ``chains`` chains of one shard per level probed (every level
   on one probe in ``FULL_PROBE_EVERY``, those next to the stage's own on the others), of which the levels
   written hold records (about a shard's worth per level written).
@@ -51,6 +53,7 @@ class TrafficModel:
     chains: int = 4  # swarm.dht.directory.PROBE_CHAINS
     rotate: int = 1  # shards a read covers besides the reader's own
     replication: int = 5  # nodes a value is stored on (hivemind's num_replicas default)
+    read_copies: int = 2  # copies of a shard a read receives: swarm.dht.node.FRESH_LOOKUP_WORKERS nodes asked at once
     hop_bytes: float = 600.0  # request + reply of one lookup hop without values
     overhead: float = 1.0  # bytes on the wire per byte of value (calibrated)
     # stages a peer reads (its own included): every stage (None), or its own and the clock stage (2), as the
@@ -83,8 +86,11 @@ def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float
     shards_read = min(1 + model.rotate, shard_count(level))
     shard_records = size / shard_count(level)
     lookup = hops * model.hop_bytes
-    store = len(write_levels(size)) * (lookup + model.replication * model.record_bytes * model.overhead)
-    one_stage = shards_read * (lookup + shard_records * model.record_bytes * model.overhead)
+    # a store sends the record to the replication nodes and gets their copies of the shard with the lookup
+    store = len(write_levels(size)) * (
+        lookup + model.replication * (1 + shard_records) * model.record_bytes * model.overhead
+    )
+    one_stage = shards_read * (lookup + model.read_copies * shard_records * model.record_bytes * model.overhead)
     stages_read = model.num_stages if model.stages_read is None else min(model.stages_read, model.num_stages)
     reads_per_s = 1 / model.read_period_s + (stages_read - 1) / model.announce_period_s
     written = len(write_levels(size))
@@ -162,7 +168,9 @@ def trainer_bytes_per_s(
     level = level_for(size)
     lookup = hops * model.hop_bytes
     shards_read = min(1 + model.rotate, shard_count(level))
-    one_stage = shards_read * (lookup + size / shard_count(level) * model.record_bytes * model.overhead)
+    one_stage = shards_read * (
+        lookup + model.read_copies * size / shard_count(level) * model.record_bytes * model.overhead
+    )
     shard_bytes = len(write_levels(size)) * size / shard_count(level) * model.record_bytes * model.overhead
     probe = model.chains * (mean_probe_levels(level) * lookup + shard_bytes)
     store = lookup + model.replication * trainer_record_bytes * model.overhead
