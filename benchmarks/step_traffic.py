@@ -1,14 +1,15 @@
 """Control-plane traffic of training stage peers: the DHT keys each one stores and reads per second.
 
-Why: to close global steps on target, a replica re-announces its record and reads its stage's records,
-many times a second once the stage nears its global batch. Every store and every read is a DHT traversal
-(tens of kilobytes on the wire at a few dozen peers, see ``benchmarks/control_plane.py``), so the rate of
-those operations is what the control plane costs a volunteer's link. It should follow the steps: a run
-whose steps take half a minute has no reason to read its stage four times a second all along.
+Why: a global step closes on what the replicas know of each other's progress. Near a step they learn it
+from progress calls to their stage-mates (``swarm/server/progress.py``), and the DHT is stored and read
+about once an announce period. Every store and every read is a DHT traversal (kilobytes on the wire at a few
+dozen peers, see ``benchmarks/control_plane.py``), so the rate of those operations is what the control plane
+costs a volunteer's link, and the steps per hour and their sizes show what coordinating that way costs
+training.
 
 What runs, for each ``--target_batch_sizes`` entry (short steps, then long ones at this machine's rate):
 a bootstrap DHT, 2 stages x ``--replicas`` replicas and one trainer on 127.0.0.1, the peers with the live
-default periods (announce every 1 s, read every 0.25 s; not the tests' fast ones). Once the last stage has
+default periods (announce every 60 s, progress calls every 0.25 s near a step; not the tests' fast ones). Once the last stage has
 applied its first global step, every peer's ``swarm_dht_keys`` counters (``--metrics_port``) are scraped at
 the start and at the end of a ``--window_s`` window.
 

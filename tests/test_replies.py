@@ -310,6 +310,43 @@ async def test_the_worker_stops_on_cancellation():
         await task
 
 
+async def test_a_worker_whose_call_swallowed_its_cancellation_draws_nothing_more_once_the_trainer_drains():
+    trainer = _trainer(max_samples=10**6)
+
+    class Swallowing:
+        """Returns instead of raising when cancelled: asyncio.wait_for does so on Python 3.11 when the call it
+        waits for completed as it was cancelled."""
+
+        calls = 0
+
+        async def train_step(self, *args):
+            self.calls += 1
+            try:
+                await asyncio.sleep(0.005)
+            except asyncio.CancelledError:
+                pass
+            return 1.0
+
+    trainer.client = Swallowing()
+    trainer.refresh = _no_refresh
+    task = asyncio.create_task(trainer._worker(deadline=math.inf))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    calls = trainer.client.calls
+    await asyncio.sleep(0.05)
+    assert not task.done() and trainer.client.calls > calls, "the cancelled worker goes on (else this shows nothing)"
+    await trainer.drain(timeout_s=0.2)
+    await asyncio.wait_for(task, timeout=1.0)
+    calls = trainer.client.calls
+    await asyncio.sleep(0.05)
+    assert trainer.client.calls == calls
+
+
+async def _no_refresh() -> None:
+    return None
+
+
 def test_micro_batch_ids_start_at_a_random_offset_per_trainer():
     firsts = {next(_trainer(max_samples=8)._ids) for _ in range(4)}
     assert len(firsts) == 4 and all(0 <= n < 2**64 for n in firsts)

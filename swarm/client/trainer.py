@@ -135,6 +135,9 @@ class Trainer:
         self._shunned: Set[str] = set()  # replicas most of whose stage-mates banned them from averaging
         self._refresh_now = asyncio.Event()
         self._settled = asyncio.Event()  # set each time the ledger was settled against the records
+        # set by drain(): workers draw no new micro-batch, even one whose cancellation a finished call swallowed
+        # (asyncio.wait_for on Python 3.11 returns the result of a call that completed as it was cancelled)
+        self._draining = False
         self._sampling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-sampling")
         self._resending: Set[Tuple[str, int]] = set()
         self._asking: Set[StepKey] = set()
@@ -389,11 +392,15 @@ class Trainer:
 
     def _done(self, deadline: float) -> bool:
         max_samples = self.config.max_samples
-        return (max_samples is not None and self._reserved >= max_samples) or time.monotonic() >= deadline
+        return (
+            self._draining
+            or (max_samples is not None and self._reserved >= max_samples)
+            or time.monotonic() >= deadline
+        )
 
     async def train(self, on_progress: Optional[Callable[["Trainer"], None]] = None) -> TrainerMetrics:
         """Train until max_samples were sent or duration_s passed; returns the metrics."""
-        self._reserved = 0
+        self._reserved, self._draining = 0, False
         deadline = time.monotonic() + (self.config.duration_s if self.config.duration_s is not None else math.inf)
         reporter = asyncio.create_task(self._report_loop(on_progress))
         try:
@@ -475,7 +482,8 @@ class Trainer:
 
     async def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait until nothing needs re-sending: every contribution is committed, or pending at a live replica in
-        a step the clock stage has not closed (:meth:`Ledger.all_held`)."""
+        a step the clock stage has not closed (:meth:`Ledger.all_held`). No new micro-batch is drawn from here on."""
+        self._draining = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             await self.refresh()
