@@ -29,9 +29,11 @@ def test_a_peer_behind_a_closed_host_hears_it_is_unreachable_and_an_open_one_tha
         args = ["--stage", "0", *remote.run_args(1, target_batch_size=32), *FAST_PEER, "--host_maddrs", listen]
         return remote.start("peer", args, name=name, prefix=hosts.prefix(host))
 
+    # The open peer comes first: a peer that joined after the closed one would take the stage's state from it,
+    # which no host can dial until its relay reservation is made (up to 3 minutes).
     open_peer = peer(2, "/ip4/0.0.0.0/tcp/0", "open-host2")
-    closed_peer = peer(1, f"/ip4/{hidden}/tcp/0", "closed-host1")
     opened = open_peer.wait_event("peer_ready", timeout=90)
+    closed_peer = peer(1, f"/ip4/{hidden}/tcp/0", "closed-host1")
     closed = closed_peer.wait_event("peer_ready", timeout=90)
 
     assert opened["reachability"] == "reachable", open_peer.log_tail()
