@@ -59,6 +59,8 @@ from swarm.simulate.dht_traffic import (  # noqa: E402
     trainer_bytes_per_s,
 )
 from swarm.config.settings import PeerConfig  # noqa: E402
+from swarm.model.gpt import ModelConfig  # noqa: E402
+from swarm.model.stages import stage_skeleton  # noqa: E402
 from swarm.dht.validator_cache import RememberingValidator  # noqa: E402
 
 RUN_ID = "cp_bench"
@@ -271,17 +273,24 @@ def _exchange_bytes() -> float:
     return float(request + reply + 3 * 52)
 
 
+def _largest_stage_bytes(config: ModelConfig, num_stages: int) -> int:
+    """The float32 parameters of the run's largest stage: what one replica sends in an all-reduce."""
+    return max(4 * sum(p.numel() for p in stage_skeleton(config, index, num_stages).parameters())
+               for index in range(num_stages))
+
+
 def live_layouts(args) -> List[dict]:
     """The ``--layouts`` live, each in network namespaces, counted at the links (see ``_control_hosts``)."""
     from _control_hosts import Layout, measure_layout  # needs root: imported only when asked for
 
-    model = ["--num_layers", "2", "--hidden_size", "32", "--num_heads", "2", "--seq_len", "16"]
-    param_bytes = 4 * (256 * 32 + 16 * 32 + 2 * 12 * 32 * 32)  # a stage holds at most the embeddings and both blocks
     rows = []
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     for text in args.layouts.split(","):
         layout = Layout.parse(text)
+        config = ModelConfig(num_layers=max(2, layout.stages), hidden_size=32, num_heads=2, seq_len=16)
+        model = ["--num_layers", str(config.num_layers), "--hidden_size", "32", "--num_heads", "2", "--seq_len", "16"]
+        param_bytes = _largest_stage_bytes(config, layout.stages)
         for row in measure_layout(layout, model, args.window_s, log_dir, args.target_batch_size, param_bytes):
             print(f"live {layout.stages}x{layout.replicas}+{row['trainers']} {row['phase']:>8}: "
                   f"{row['bytes_per_s_per_peer_in_plus_out']:>8.0f} B/s control per peer (max "

@@ -20,7 +20,7 @@ import swarm.policy.directory as layout
 from swarm import PROTOCOL_VERSION
 from swarm.dht.directory import Directory
 from swarm.dht.identity import load_or_create_identity
-from swarm.dht.node import NUM_REPLICAS
+from swarm.dht.node import store_in_dht
 from swarm.policy.directory import (
     MAX_LEVEL, PROBE_REACH, SHARD_CAPACITY, coverage_polls, probe_due, probe_estimate, probe_levels, level_for, shard_count,
     shard_of, shards_to_read, write_levels,
@@ -163,21 +163,19 @@ class _Clock:
 
 
 class _MemoryDHT:
-    """The two calls the directory makes (``store``, ``run_coroutine`` of a lookup), over a shared dict."""
+    """The two coroutines the directory runs in the DHT process (a store, a lookup), over a shared dict."""
 
     def __init__(self, table: Dict[str, Dict[bytes, ValueWithExpiration]], identity, reads: List[int]):
         self.table, self.identity, self.reads = table, identity, reads
 
-    def store(self, key, value, expiration_time, subkey, return_future, beam_size, num_workers):
-        # a store walks only to the nodes that keep the value: the default beam would ask 20 nodes, and each one
-        # that holds the key would send its whole copy back
-        assert beam_size == NUM_REPLICAS and num_workers <= 2, (beam_size, num_workers)
-        self.table.setdefault(key, {})[subkey] = ValueWithExpiration(value, expiration_time)
-        future = asyncio.get_running_loop().create_future()
-        future.set_result(True)
-        return future
-
     def run_coroutine(self, fn, return_future):
+        future = asyncio.get_running_loop().create_future()
+        if fn.func is store_in_dht:
+            stored = fn.keywords
+            self.table.setdefault(stored["key"], {})[stored["subkey"]] = ValueWithExpiration(
+                stored["value"], stored["expiration_time"])
+            future.set_result(True)
+            return future
         self.fresh_s = fn.keywords["fresh_s"]
         found = {}
         for key in fn.keywords["keys"]:
@@ -185,7 +183,6 @@ class _MemoryDHT:
                     if item.expiration_time > _Clock.now}
             self.reads.append(len(live))
             found[key] = ValueWithExpiration(live, max(i.expiration_time for i in live.values())) if live else None
-        future = asyncio.get_running_loop().create_future()
         future.set_result(found)
         return future
 

@@ -11,12 +11,15 @@ accepted once is not verified again while it stays unchanged (:mod:`swarm.dht.va
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from contextvars import ContextVar
 from typing import Any, Collection, Dict, List, Optional
 
 from hivemind import DHT
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.auth import AuthorizerBase
 
@@ -27,15 +30,14 @@ from swarm.net.listening import listen_and_announce
 from swarm.dht.records import run_schema_validator
 from swarm.dht.validator_cache import RememberingValidator
 
-__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers", "STORE_TRAVERSAL"]
+__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers", "store_in_dht", "STORE_TRAVERSAL"]
 
 logger = get_logger(__name__)
 FRESH_LOOKUP_WORKERS = 2  # nodes asked at once by a lookup that stops at the first fresh copy (hivemind's default: 4)
 NUM_REPLICAS = 5  # nodes that keep each stored value (hivemind's default)
 # how a store finds the nodes to keep its value: hivemind's walk goes on until it has asked the key's 20 nearest nodes
-# (its bucket size), and every node that holds the key sends its whole copy back with its answer; a store needs only
-# the NUM_REPLICAS nearest, so its walk stops once it has asked that many (a read that asks every node near the key
-# still walks the wider beam, so it meets them)
+# (its bucket size); a store needs only the NUM_REPLICAS nearest, so its walk stops once it has asked that many (a read
+# that asks every node near the key still walks the wider beam, so it meets them)
 STORE_TRAVERSAL: Dict[str, int] = {"beam_size": NUM_REPLICAS, "num_workers": FRESH_LOOKUP_WORKERS}
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
@@ -156,6 +158,52 @@ async def get_many_in_dht(
         )
     except asyncio.TimeoutError:
         return None
+
+
+async def store_in_dht(
+    _dht: DHT, node: DHTNode, key: str, subkey: Any, value: Any, expiration_time: float, timeout: float
+) -> bool:
+    """Store ``value`` under ``subkey`` of ``key`` on the key's ``NUM_REPLICAS`` nearest nodes (this node among
+    them where it serves the DHT and is near enough); whether any of them took it. False also when the store took
+    longer than ``timeout`` (returned, not raised, as in :func:`get_many_in_dht`).
+
+    hivemind's own store finds those nodes by looking up the key itself, and every node on the way that keeps the
+    key answers with its whole copy: a peer re-storing its record would download the shard of its stage from each
+    holder to upload one record. The walk here looks up the id beside the key's (its last bit flipped). XOR
+    distance orders nodes alike from both ids (two node ids would have to differ in their last bit alone to swap
+    places), so it ends at the same nearest nodes, and as no node keeps anything under that id, their answers
+    carry nodes only. Runs inside the DHT process through ``dht.run_coroutine``."""
+    try:
+        return await asyncio.wait_for(_store_beside(node, key, subkey, value, expiration_time), timeout)
+    except asyncio.TimeoutError:
+        return False
+
+
+async def _store_beside(node: DHTNode, key: str, subkey: Any, value: Any, expiration_time: float) -> bool:
+    protocol = node.protocol
+    key_id = DHTID.generate(source=key)
+    beside = DHTID(int(key_id) ^ 1)
+    serving = not protocol.client_mode  # a client's own storage is asked by nobody: it is no replica
+    found = await node.find_nearest_nodes([beside], k_nearest=NUM_REPLICAS, exclude_self=not serving, **STORE_TRAVERSAL)
+    serializer, validator = protocol.serializer, protocol.record_validator
+    record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), serializer.dumps(value), expiration_time)
+    if validator is not None:
+        record = dataclasses.replace(record, value=validator.sign_value(record))
+    stored: List[bool] = []
+    calls = []
+    for node_id, peer_id in found.get(beside, {}).items():
+        if node_id == node.node_id:
+            valid = validator is None or validator.validate(record)
+            stored.append(bool(valid) and protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey))
+        else:
+            calls.append(
+                protocol.call_store(
+                    peer_id, keys=[key_id], values=[record.value], expiration_time=[expiration_time], subkeys=[subkey]
+                )
+            )
+    for answer in await asyncio.gather(*calls):
+        stored.append(bool(answer) and all(answer))  # None: no answer; [False]: refused or older than its copy
+    return any(stored)
 
 
 async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Dict, Optional, Tuple, Type, TypeVar
 
 from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 from pydantic import BaseModel
 
-from swarm.dht.node import STORE_TRAVERSAL, identity_of
+from swarm.dht.node import identity_of, store_in_dht
 from swarm.metrics import count_dht
 from swarm.dht.records import parse_entries, record_id_of
 
@@ -41,15 +42,18 @@ async def store_record(
     try:
         stored = bool(
             await asyncio.wait_for(
-                dht.store(
-                    key,
-                    value,
-                    get_dht_time() + expiration_s,
-                    subkey=identity.owner_subkey,
+                dht.run_coroutine(
+                    partial(
+                        store_in_dht,
+                        key=key,
+                        subkey=identity.owner_subkey,
+                        value=value,
+                        expiration_time=get_dht_time() + expiration_s,
+                        timeout=timeout,
+                    ),
                     return_future=True,
-                    **STORE_TRAVERSAL,
                 ),
-                timeout,
+                timeout + 1.0,
             )
         )
     except (asyncio.TimeoutError, Exception) as e:

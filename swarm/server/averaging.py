@@ -35,6 +35,7 @@ import logging
 import math
 import signal
 import time
+from functools import partial
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -48,7 +49,7 @@ from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.crypto import RSAPrivateKey
 
 from swarm.dht.auth import Allowlist
-from swarm.dht.node import STORE_TRAVERSAL
+from swarm.dht.node import store_in_dht
 from swarm.hivemind_private import register_decoder, wrap_join_request
 from swarm.net.compression import (
     DEFAULT_BLOCK_SIZE,
@@ -419,17 +420,16 @@ class StageAverager(StateSharingAverager):
 
     async def _declare_once(self, key: str, value: Optional[float], expiration: float) -> None:
         try:
-            await asyncio.wait_for(
-                self.dht.store(
-                    key,
-                    subkey=self.peer_id.to_bytes(),
-                    value=value,
-                    expiration_time=expiration,
-                    return_future=True,
-                    **STORE_TRAVERSAL,
-                ),
-                max(0.0, expiration - get_dht_time()),
+            timeout = max(0.0, expiration - get_dht_time())
+            store = partial(
+                store_in_dht,
+                key=key,
+                subkey=self.peer_id.to_bytes(),
+                value=value,
+                expiration_time=expiration,
+                timeout=timeout,
             )
+            await asyncio.wait_for(self.dht.run_coroutine(store, return_future=True), timeout)
         except (asyncio.TimeoutError, Exception) as e:
             logger.debug(f"declaring this replica's state for download failed: {type(e).__name__}: {e}")
 

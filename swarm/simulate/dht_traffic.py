@@ -4,8 +4,8 @@ It follows the live layout and readers (:mod:`swarm.policy.directory`, :mod:`swa
 stage's records are split into ``2**level`` shards of about ``SHARD_CAPACITY`` records. Every peer
 
 - re-stores its record every ``announce_period_s`` at each level it writes (``write_levels``; a store
-  is a Kademlia lookup of ``log2(N)`` hops, then the record to ``replication`` nodes; the lookup's last
-  hops ask those nodes, and each answers with its whole copy of the shard: hivemind's ``find`` carries it);
+  is a Kademlia lookup of ``log2(N)`` hops, then the record to ``replication`` nodes; the lookup is for the
+  id beside the key's, so its answers carry nodes, not the shard: see ``swarm.dht.node.store_in_dht``);
 - reads its own stage every ``read_period_s`` (its own shard and ``rotate`` more), and every other stage
   every ``announce_period_s`` (the same number of shards): one lookup per shard, ``log2(N)`` small hops,
   and the shard's records from ``read_copies`` holders (a read stops at the first fresh copy, but the
@@ -86,10 +86,8 @@ def per_peer_bytes_per_s(model: TrafficModel, num_peers: int) -> Dict[str, float
     shards_read = min(1 + model.rotate, shard_count(level))
     shard_records = size / shard_count(level)
     lookup = hops * model.hop_bytes
-    # a store sends the record to the replication nodes and gets their copies of the shard with the lookup
-    store = len(write_levels(size)) * (
-        lookup + model.replication * (1 + shard_records) * model.record_bytes * model.overhead
-    )
+    # a store sends the record to the replication nodes after a lookup whose answers carry nodes only
+    store = len(write_levels(size)) * (lookup + model.replication * model.record_bytes * model.overhead)
     one_stage = shards_read * (lookup + model.read_copies * shard_records * model.record_bytes * model.overhead)
     stages_read = model.num_stages if model.stages_read is None else min(model.stages_read, model.num_stages)
     reads_per_s = 1 / model.read_period_s + (stages_read - 1) / model.announce_period_s
