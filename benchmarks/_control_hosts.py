@@ -116,8 +116,6 @@ def _segment_by_segment(hosts: Hosts) -> None:
     """Turn segmentation and receive offloads off on every link, so that each TCP segment is one frame on it:
     a connection's wire bytes are then its payload plus ``SEGMENT_HEADER_BYTES`` a segment, exactly as the
     link counters count them (with offloads a 64 KiB burst is one frame, headers counted once)."""
-    if shutil.which("ethtool") is None:
-        raise RuntimeError("this benchmark needs ethtool (apt-get install ethtool) to count bytes per segment")
     for host in range(hosts.count):
         for namespace, link in ((hosts.namespaces[host], hosts.inside(host)), (hosts.switch, hosts.links[host])):
             subprocess.run(["ip", "netns", "exec", namespace, "ethtool", "-K", link, "tso", "off", "gso", "off",
@@ -131,10 +129,11 @@ def _link_bytes(hosts: Hosts, host: int) -> int:
 def measure_layout(layout: Layout, model: Sequence[str], window_s: float, log_dir: Path,
                    target_batch_size: int, param_bytes_per_stage: int) -> List[Dict[str, Any]]:
     """Run ``layout`` and measure an idle and a training window of ``window_s`` seconds each; one row per window."""
+    if shutil.which("ethtool") is None:
+        raise RuntimeError("this benchmark needs ethtool (apt-get install ethtool) to count bytes per segment")
     count = 1 + layout.peers + layout.trainers
     hosts = Hosts(count).create()
     roles: List[RoleProcess] = []
-    _segment_by_segment(hosts)
     run_id = f"ctl{layout.stages}x{layout.replicas}_{hosts.tag}"
 
     def start(role: str, host: int, extra: List[str], name: str) -> RoleProcess:
@@ -144,6 +143,7 @@ def measure_layout(layout: Layout, model: Sequence[str], window_s: float, log_di
         return process
 
     try:
+        _segment_by_segment(hosts)
         run = ["--run_id", run_id, "--num_stages", str(layout.stages)]
         bootstrap = start("bootstrap", 0, run, "bootstrap")
         initial = bootstrap.wait_event("bootstrap_ready", READY_TIMEOUT_S)["maddrs"]
