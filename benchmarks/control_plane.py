@@ -289,7 +289,7 @@ def live_layouts(args) -> List[dict]:
     for text in args.layouts.split(","):
         layout = Layout.parse(text)
         config = ModelConfig(num_layers=max(2, layout.stages), hidden_size=32, num_heads=2, seq_len=16)
-        model = ["--num_layers", str(config.num_layers), "--hidden_size", "32", "--num_heads", "2", "--seq_len", "16"]
+        model = [f"--{name}={getattr(config, name)}" for name in ("num_layers", "hidden_size", "num_heads", "seq_len")]
         param_bytes = _largest_stage_bytes(config, layout.stages)
         for row in measure_layout(layout, model, args.window_s, log_dir, args.target_batch_size, param_bytes):
             print(f"live {layout.stages}x{layout.replicas}+{row['trainers']} {row['phase']:>8}: "
