@@ -22,9 +22,11 @@ samples), which the bound on samples allows.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass
-from typing import List, Sequence, Union
+from typing import Callable, Dict, List, Sequence, Union
 
 import pytest
 import torch
@@ -108,7 +110,10 @@ async def train(launcher, probe, case: Case) -> SwarmRun:
         return (len(r) == 4 and len({x.step for x in r.values()}) == 1 and not any(x.samples_frozen for x in r.values())
                 and sum(x.samples_pending for x in online(r, 1)) < TARGET)
 
-    records = await probe.wait_for(settled, 60, "the swarm to finish its last global step")
+    announced = await probe.wait_for(settled, 60, "the swarm to finish its last global step")
+    # an announced record is up to one announce period old: one stored just before a micro-batch's backward
+    # landed undercounts what that replica holds, so the counts are taken from the peers themselves
+    records = await live_records(probe, announced, settled, 30)
     model = FullModel(case.model, num_stages=2, seed=0)
     for stage in (0, 1):
         exported = await probe.call(online(records, stage)[0].peer_id, "parameters", {})
@@ -118,6 +123,20 @@ async def train(launcher, probe, case: Case) -> SwarmRun:
     return SwarmRun(sent=sum(d["samples_sent"] for d in done),
                     repeatable=BATCH * sum(d["resent"] + d["failed"] for d in done),
                     last_stage=online(records, 1), model=model)
+
+
+async def live_records(probe, announced: Dict[str, PeerRecord], settled: Callable[[Dict[str, PeerRecord]], bool],
+                       timeout: float) -> Dict[str, PeerRecord]:
+    """The peers' records as each peer holds them now (its ``info``), once ``settled`` holds for them."""
+    deadline, records = time.monotonic() + timeout, announced
+    while time.monotonic() < deadline:
+        replies = [await probe.call(peer_id, "info", {}, timeout=10) for peer_id in announced]
+        records = {reply["peer_id"]: PeerRecord.model_validate(reply) for reply in replies}
+        if settled(records):
+            return records
+        await asyncio.sleep(0.3)
+    raise TimeoutError(f"the peers' own records did not settle within {timeout}s: "
+                       f"{[(r.stage, r.step, r.samples_pending, r.samples_frozen) for r in records.values()]}")
 
 
 def baseline_corpus(case: Case, bpe: RunTokenizer) -> Union[Corpus, TokenizedCorpus]:
