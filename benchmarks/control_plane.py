@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextvars
 import json
+import math
 import random
 import resource
 import statistics
@@ -58,7 +59,7 @@ from swarm.simulate.dht_traffic import (  # noqa: E402
     ProgressModel, TrafficModel, per_peer_bytes_per_s, progress_bytes_per_s,
     trainer_bytes_per_s,
 )
-from swarm.config.settings import PeerConfig  # noqa: E402
+from swarm.config.settings import PeerConfig, TrainerConfig  # noqa: E402
 from swarm.model.gpt import ModelConfig  # noqa: E402
 from swarm.model.stages import stage_skeleton  # noqa: E402
 from swarm.dht.validator_cache import RememberingValidator  # noqa: E402
@@ -173,7 +174,8 @@ async def _participate(directory: Directory, identity: Identity, stage: int, str
         await asyncio.sleep(random.uniform(0, poll_s))
         while time.monotonic() < stop:
             started = time.perf_counter()
-            succeeded = await directory.read(directory.stages_due(stage, announce_s), timeout=timeout)
+            # its own stage every poll, the others once an announce period
+            succeeded = await directory.read(sorted({stage, *directory.stages_due(announce_s)}), timeout=timeout)
             latencies.append(1000 * (time.perf_counter() - started))
             counts["poll"] += 1
             counts["failed"] += not succeeded
@@ -302,6 +304,13 @@ def live_layouts(args) -> List[dict]:
     return rows
 
 
+def _trainer_bytes_per_s(dht: TrafficModel, num_peers: int) -> float:
+    """A trainer at the default settings: ``stages_per_refresh`` stages a refresh, probes as the trainer sets them."""
+    period, per_refresh = TrainerConfig.refresh_period_s, TrainerConfig.stages_per_refresh
+    cycle_s = period * math.ceil(dht.num_stages / per_refresh)
+    return trainer_bytes_per_s(dht, num_peers, period, 400.0, per_refresh, probe_period_for(cycle_s))
+
+
 def simulated_rows(args) -> List[dict]:
     """1,000 and 10,000 peers at 8 and 64 stages, from the DHT model at the live default periods and the
     progress-call model. The model is not fitted to the live rows: at the new periods most of an idle link's
@@ -322,7 +331,7 @@ def simulated_rows(args) -> List[dict]:
                 "stages": num_stages, "peers": num_peers, "trainers": trainers, "phase": "training",
                 "bytes_per_s_per_peer_in_plus_out": round(base + calls["peer"], 1),
                 "bytes_per_s_per_peer_max": round(base + calls["clock_peer"], 1),
-                "bytes_per_s_per_trainer": round(trainer_bytes_per_s(dht, num_peers, period, 400.0), 1),
+                "bytes_per_s_per_trainer": round(_trainer_bytes_per_s(dht, num_peers), 1),
                 "bootstrap_bytes_per_s": round(base, 1),
                 "dht_overhead": round(dht.overhead, 3), "source": "simulated",
             })

@@ -175,7 +175,7 @@ class _Directory:
     def __init__(self, num_stages: int):
         self.num_stages, self.reads = num_stages, []
 
-    def stages_due(self, focus, others_period_s, focus_period_s=0.0):
+    def stages_due(self, period_s):
         return list(range(self.num_stages))
 
     async def read(self, stages, whole=False):

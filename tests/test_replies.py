@@ -343,7 +343,7 @@ async def test_a_worker_whose_call_swallowed_its_cancellation_draws_nothing_more
     assert trainer.client.calls == calls
 
 
-async def _no_refresh() -> None:
+async def _no_refresh(stages=None) -> None:
     return None
 
 

@@ -1,4 +1,5 @@
-"""StageHandlers against a fake peer: what a backward leaves behind when its caller gives up."""
+"""StageHandlers against a fake peer: what a backward leaves behind when its caller gives up, and the ledger fields
+its reply carries."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
+from swarm.dht.ledger_fields import LEDGER_FIELDS
+from swarm.dht.records import PeerRecord
 from swarm.server.compute import ComputeThread
 from swarm.server.lifecycle import PeerState
 from swarm.server.handlers import StageHandlers
@@ -30,11 +33,16 @@ class BlockedSteps:
         self.admitted -= samples
 
 
+RECORD = PeerRecord(version=1, peer_id="QmReplica", stage=0, state="online", throughput=1.0, queue_length=0, step=4,
+                    accum_step=5, samples_frozen=8, samples_pending=16, samples_applied=0, contributed_base=3,
+                    contributed_bits=0b101)
+
+
 def fake_peer(steps: BlockedSteps) -> SimpleNamespace:
     runner = SimpleNamespace(version=(0, "d0"), resets=0, backward=lambda *args: (torch.zeros(2, 3), None, 0))
     return SimpleNamespace(state=PeerState.ONLINE, stage=0, config=SimpleNamespace(max_batch_samples=64),
                            steps=steps, runner=runner, backward_batcher=None, compute=ComputeThread(),
-                           notify_progress=lambda: None)
+                           notify_progress=lambda: None, announcer=SimpleNamespace(record=lambda: RECORD))
 
 
 def request(n: int) -> dict:
@@ -60,3 +68,20 @@ async def test_a_backward_cancelled_while_it_waits_for_room_leaves_nothing_in_fl
     reply = await handlers.backward(request(2), CALLER)
     assert reply["grad_inputs"].shape == (2, 3)
     assert peer.compute.in_flight == 0 and steps.admitted == 0 and steps.released == [2]
+
+
+async def test_a_backward_reply_carries_the_replicas_ledger_fields_as_its_record_has_them():
+    steps = BlockedSteps()
+    steps.room.set()
+    peer = fake_peer(steps)
+    reply = await StageHandlers(peer).backward(request(1), CALLER)
+    assert set(reply["ledger_fields"]) == set(LEDGER_FIELDS)
+    assert reply["ledger_fields"]["step"] == 4 and reply["ledger_fields"]["contributed_bits"] == 0b101
+
+
+    def backward_then_stop(*args):
+        peer.state = PeerState.STOPPED  # stopped while the backward ran: no record, so no ledger fields
+        return torch.zeros(2, 3), None, 0
+
+    peer.runner.backward = backward_then_stop
+    assert "ledger_fields" not in await StageHandlers(peer).backward(request(2), CALLER)

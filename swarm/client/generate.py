@@ -194,8 +194,8 @@ class SwarmGenerator:
         )
         self._refreshed_at = float("-inf")
 
-    def _mark_stale(self) -> None:
-        self._stale = True
+    def _mark_stale(self, stage: int) -> None:
+        self._stale = True  # a generator reads every stage at once: which one failed does not narrow the read
 
     async def _maybe_refresh(self) -> None:
         now = time.monotonic()

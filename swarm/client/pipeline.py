@@ -211,7 +211,8 @@ class PipelineClient:
         forward_timeout_s: float,
         backward_timeout_s: float,
         max_retries: int,
-        on_stale_snapshot: Optional[Callable[[], None]] = None,
+        on_stale_snapshot: Optional[Callable[[int], None]] = None,
+        on_ledger_fields: Optional[Callable[[str, int, Any], None]] = None,
         busy_pause_s: float = 0.5,
         compression: str = "none",
         block_size: int = DEFAULT_BLOCK_SIZE,
@@ -224,7 +225,11 @@ class PipelineClient:
             backward_timeout_s,
             max_retries,
         )
-        self.on_stale_snapshot = on_stale_snapshot or (lambda: None)
+        # a call found the snapshot of a stage stale (a dead or moved peer): called with the stage
+        self.on_stale_snapshot = on_stale_snapshot or (lambda stage: None)
+        # a backward reply carried the replica's ledger fields (swarm.dht.ledger_fields): called with its peer id,
+        # stage and those fields
+        self.on_ledger_fields = on_ledger_fields or (lambda peer_id, stage, fields: None)
         self.busy_pause_s = busy_pause_s
         self.verifier: Optional[ReplyChecker] = None  # spot-checks replies on other replicas (set by the trainer)
         self.attack = TrainerAttack()  # what an emulated poisoning trainer does to its gradients (set by the trainer)
@@ -247,7 +252,7 @@ class PipelineClient:
                 )
             except NoPeerAvailable as e:
                 no_peer = str(e)
-                self.on_stale_snapshot()
+                self.on_stale_snapshot(stage)
                 await asyncio.sleep(min(0.5 * 2**attempt, 5.0))
                 continue
             try:
@@ -363,7 +368,7 @@ class PipelineClient:
             self.router.ban(peer_id, now)
         count_ban("trainer", verdict.kind if verdict.action == "ban" else f"{verdict.action}_{verdict.kind}")
         if verdict.stale_snapshot:
-            self.on_stale_snapshot()
+            self.on_stale_snapshot(stage)
         description = f"{peer_id}: {verdict.reason}"
         if isinstance(error, BadReply):
             logger.warning(f"banning peer {peer_id} of stage {stage}: {error.reason}")
@@ -433,6 +438,8 @@ class PipelineClient:
             message["targets"] = item.targets
         reply, peer_id = await self.call_stage(item.stage, "backward", message, self.backward_timeout_s, prefer=prefer)
         resets = reply["resets"]  # checked by check_reply
+        if "ledger_fields" in reply:
+            self.on_ledger_fields(peer_id, item.stage, reply["ledger_fields"])
         if resend:
             self.ledger.resent(item, peer_id, reply["step"], resets)
             return reply

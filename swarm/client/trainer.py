@@ -1,8 +1,10 @@
 """A trainer: draws micro-batches, keeps several in flight through the swarm, accounts for them.
 
 Runs in one asyncio loop: ``max_in_flight`` workers each push micro-batches through
-:class:`PipelineClient`; a refresher reads the swarm's records from the DHT every
-``refresh_period_s``, feeds the router, and settles the ledger: it re-sends contributions that
+:class:`PipelineClient`; a refresher reads the records of ``stages_per_refresh`` stages from the DHT every
+``refresh_period_s`` (those where a call failed, at once, then those read longest ago) and keeps the rest
+(:mod:`swarm.client.view`), feeds the router, and every ``SETTLE_PERIOD_S`` settles the ledger with what the
+records and the replicas' replies (:mod:`swarm.dht.ledger_fields`) say: it re-sends contributions that
 were lost and, in the background, asks a stage's replicas which peers a step averaged when the
 replica that took a contribution can no longer say. No reply, and no failure of one
 micro-batch, ends the trainer: a worker logs the failure and goes on with the next one.
@@ -20,7 +22,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Dict, FrozenSet, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple, Union
 
 from hivemind import DHT
 from hivemind.p2p import PeerID
@@ -32,15 +34,18 @@ from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger, LedgerPolicy, StepKey, parse_step_members
 from swarm.client.pipeline import PipelineClient, StageUnavailable, Unauthorized
 from swarm.client.verification import ReplyVerifier
+from swarm.client.view import held_records, with_replies
 from swarm.config.settings import PeerConfig, TrainerConfig
 from swarm.training.data import Corpus, load_corpus, load_hf_dataset, validation_batches
 from swarm.training.tokenized import TokenizedCorpus, load_tokenized_corpus, make_sampler
 from swarm.training.tokenizer import load_run_tokenizer
 from swarm.dht.node import start_run_dht
 from swarm.dht.directory import Directory, fresh_for, probe_period_for, settle_for
+from swarm.dht.ledger_fields import ledger_order, with_ledger_fields
 from swarm.dht.store import fetch_records, store_record
 from swarm.metrics import MetricsServer, TrainerSnapshot, role_registry, start_metrics_server, trainer_families
 from swarm.policy.aggregation import banned_by_majority
+from swarm.policy.directory import stages_to_read
 from swarm.policy.routing import Router
 from swarm.policy.snapshot import PeerInfo
 from swarm.policy.steps import clock_step
@@ -64,6 +69,7 @@ MEMBERS_TIMEOUT_S = 5.0  # seconds one step_members call may take
 _NO_ANSWER = object()  # a replica that did not answer step_members (as opposed to "unknown step": None)
 ACCUSATIONS_PERIOD_S = 5.0  # seconds between reads of the run's accusations, at least (refresh_period_s if longer)
 STALE_REFRESH_GAP_S = 2.0  # seconds at least between two refreshes (a failed call asks for one at once)
+SETTLE_PERIOD_S = 5.0  # seconds between settlings of the ledger with the replies' ledger fields, between DHT reads
 ACCUSATION_EXPIRATION_S = 300.0  # seconds an accusation stays in the DHT
 
 
@@ -129,7 +135,12 @@ class Trainer:
         self.metrics = TrainerMetrics()
         self._same_run = RunFilter(self.run)
         self.ledger = Ledger(LedgerPolicy(config.peer_grace_s, LOST_AFTER_GRACES * config.peer_grace_s))
-        self.records: Dict[str, PeerRecord] = {}
+        self.records: Dict[str, PeerRecord] = {}  # what the trainer knows: the records held, with the replies' fields
+        self._announced: Dict[str, PeerRecord] = {}  # the records as read, held past expiry for stages not read since
+        # peer id -> (the stage it replied for, the ledger fields its newest backward reply carried)
+        self._replied: Dict[str, Tuple[int, Dict[str, Any]]] = {}
+        self._urgent: Set[int] = set()  # stages where a call failed since they were last read
+        self._bad_replies: Set[str] = set()  # peers whose replies carried malformed ledger fields (warned once)
         self.directory: Optional[Directory] = None  # the run's stage directories as this trainer reads them
         self._snapshot: Tuple[PeerInfo, ...] = ()
         self._shunned: Set[str] = set()  # replicas most of whose stage-mates banned them from averaging
@@ -182,7 +193,8 @@ class Trainer:
             forward_timeout_s=self.config.forward_timeout_s,
             backward_timeout_s=self.config.backward_timeout_s,
             max_retries=self.config.max_retries,
-            on_stale_snapshot=self._refresh_now.set,
+            on_stale_snapshot=self._on_stale,
+            on_ledger_fields=self._on_ledger_fields,
             compression=self.run.compression,
             block_size=self.run.compression_block_size,
         )
@@ -202,17 +214,56 @@ class Trainer:
         if verifier is not None:
             self._tasks.append(asyncio.create_task(self._accusations_loop(verifier)))
 
-    async def refresh(self) -> None:
-        """Read the swarm's peers from the DHT and settle the ledger with what they say.
+    async def refresh(self, stages: Optional[Sequence[int]] = None) -> None:
+        """Read the records of ``stages`` from the DHT (default: those where a call failed, then those read
+        longest ago, ``stages_per_refresh`` in all), keep those of the others, and settle the ledger.
 
         A failed read keeps the previous snapshot; a peer counts as gone only once it has been
         missing from every read for ``peer_grace_s`` (a live peer's record can lapse for a moment)."""
+        if stages is None:
+            stages = self._stages_due()
         try:
-            self.records = await self._fetch_records(strict=True)
+            fresh = await self._fetch_records(strict=True, stages=stages)
         except LookupError:
             return
+        self._urgent.difference_update(stages)
+        self._announced = held_records(self._announced, fresh, stages)
+        self._update_view(time.monotonic())
+
+    def _stages_due(self) -> List[int]:
+        if self.directory is None:
+            return list(range(self.run.num_stages))
+        read_at = [known.read_at for known in self.directory.stages]
+        return stages_to_read(read_at, self.config.stages_per_refresh, self._urgent)
+
+    def _update_view(self, now: float) -> None:
+        """Lay the replies' ledger fields over the records held, route by the result and settle the ledger."""
+        self._replied = {peer_id: entry for peer_id, entry in self._replied.items() if peer_id in self._announced}
+        self.records = with_replies(self._announced, self._replied)
         self._snapshot = to_peer_infos(self._routable(self.records), self.run.num_stages)
-        self._settle(time.monotonic())
+        self._settle(now)
+
+    def _on_stale(self, stage: int) -> None:
+        """A call to ``stage`` found a dead, moved or missing peer: read that stage at the next refresh, now."""
+        self._urgent.add(stage)
+        self._refresh_now.set()
+
+    def _on_ledger_fields(self, peer_id: str, stage: int, fields: Any) -> None:
+        """Keep the newest ledger fields a replica's reply carried; malformed ones are ignored (the replica's
+        record still tells the ledger what it needs, later)."""
+        record = self._announced.get(peer_id)
+        if record is None or record.stage != stage:
+            return  # a peer not read at that stage yet: its fields have no record to go on
+        try:
+            with_ledger_fields(record, fields)
+        except ValueError as e:
+            if peer_id not in self._bad_replies:
+                self._bad_replies.add(peer_id)
+                logger.warning(f"ignoring the ledger fields in replies of {peer_id} (stage {stage}): {e}")
+            return
+        current = self._replied.get(peer_id)
+        if current is None or current[0] != stage or ledger_order(fields) >= ledger_order(current[1]):
+            self._replied[peer_id] = (stage, dict(fields))
 
     def snapshot(self) -> TrainerSnapshot:
         """This trainer's figures now, for metrics (any thread: reads only)."""
@@ -251,22 +302,26 @@ class Trainer:
         self._shunned = shunned
         return {key: record for key, record in records.items() if record.peer_id not in shunned}
 
-    async def _fetch_records(self, strict: bool) -> Dict[str, PeerRecord]:
-        """The run's peer records; peers that announce other run settings are left out."""
+    async def _fetch_records(self, strict: bool, stages: Optional[Sequence[int]] = None) -> Dict[str, PeerRecord]:
+        """The run's peer records after a read of ``stages`` (default: all); peers that announce other run settings
+        are left out."""
         if self.directory is None:
             self.directory = Directory(
                 self.dht,
                 self.run.run_id,
                 self.run.num_stages,
                 home=self.trainer_id,
-                probe_period_s=probe_period_for(self.config.refresh_period_s),
+                # a stage is read once in ceil(stages / stages_per_refresh) refreshes: a probe every so many of its reads
+                probe_period_s=probe_period_for(
+                    self.config.refresh_period_s * math.ceil(self.run.num_stages / self.config.stages_per_refresh)
+                ),
                 # the peers' periods are theirs to set: the defaults' margin. A DHT client keeps no values, so
                 # its first fresh answer is another node's whole copy; a node that serves the DHT answers from its
                 # own copy, whole only once every owner re-stored to it
                 fresh_s=fresh_for(PeerConfig.expiration_s, PeerConfig.announce_period_s),
                 settle_s=settle_for(PeerConfig.announce_period_s) if self.config.serve_dht else 0.0,
             )
-        await self.directory.read(timeout=min(self.config.refresh_period_s * 5, 10.0), strict=strict)
+        await self.directory.read(stages, timeout=min(self.config.refresh_period_s * 5, 10.0), strict=strict)
         return self._same_run(self.directory.records())
 
     def _settle(self, now: float) -> None:
@@ -348,13 +403,22 @@ class Trainer:
 
     async def _refresh_loop(self) -> None:
         """Refresh every ``refresh_period_s``, and at once when a call found the snapshot stale (a dead or moved
-        peer), but no sooner than ``STALE_REFRESH_GAP_S`` after the last: a burst of failed calls is one read."""
-        gap, refreshed_at = min(STALE_REFRESH_GAP_S, self.config.refresh_period_s), time.monotonic()
+        peer), but no sooner than ``STALE_REFRESH_GAP_S`` after the last: a burst of failed calls is one read.
+        Between refreshes, settle the ledger with the replies' ledger fields every ``SETTLE_PERIOD_S``."""
+        period = self.config.refresh_period_s
+        gap, refreshed_at = min(STALE_REFRESH_GAP_S, period), time.monotonic()
         while True:
+            due = refreshed_at + period
             try:
-                await asyncio.wait_for(self._refresh_now.wait(), self.config.refresh_period_s)
+                await asyncio.wait_for(self._refresh_now.wait(), max(0.0, min(SETTLE_PERIOD_S, due - time.monotonic())))
             except asyncio.TimeoutError:
                 pass
+            if not self._refresh_now.is_set() and time.monotonic() < due:
+                try:
+                    self._update_view(time.monotonic())
+                except Exception:
+                    logger.exception("settling the ledger with the replies' ledger fields failed")
+                continue
             wait = refreshed_at + gap - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
@@ -486,7 +550,8 @@ class Trainer:
         self._draining = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            await self.refresh()
+            # the stages that hold contributions, and the clock stage (whose step says what is still pending)
+            await self.refresh(sorted({stage for _, stage in self.ledger.holders()} | {self.run.num_stages - 1}))
             if not self._resending and self.ledger.all_held(self.records, self._clock_step()):
                 return True
             await asyncio.sleep(min(self.config.refresh_period_s, 1.0))

@@ -369,6 +369,9 @@ class TrainerConfig:
     backward_timeout_s: float = 60.0  # seconds one backward call may take
     max_retries: int = 8  # attempts per stage call before the micro-batch fails
     refresh_period_s: float = 60.0  # seconds between DHT snapshots of the swarm (and at once after a failed call)
+    # stages whose records one refresh reads: those where a call failed, then those read longest ago (every stage
+    # is read within ceil(stages / this) refreshes; between reads, replies tell what the trainer routes by)
+    stages_per_refresh: int = 8
     peer_grace_s: float = 5.0  # seconds a peer must be missing from the DHT before its unconfirmed work is re-sent
     log_period_s: float = 5.0  # seconds between progress lines
     max_uncommitted: int = 4096  # micro-batches kept for replay until their global step is confirmed
@@ -412,7 +415,7 @@ class TrainerConfig:
 
         if self.attack not in ATTACKS:
             raise ValueError(f"attack must be one of {list(ATTACKS)}, got {self.attack!r}")
-        for name in ("batch_size", "max_in_flight", "max_retries", "max_uncommitted"):
+        for name in ("batch_size", "max_in_flight", "max_retries", "max_uncommitted", "stages_per_refresh"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("forward_timeout_s", "backward_timeout_s", "refresh_period_s", "log_period_s", "peer_grace_s"):

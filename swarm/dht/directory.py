@@ -279,16 +279,11 @@ class Directory:
         now = time.monotonic() if now is None else now
         return probe_due(known.level, known.home_count, self.size(stage), now - known.probed_at, self.probe_period_s)
 
-    def stages_due(self, focus: Optional[int], others_period_s: float, focus_period_s: float = 0.0) -> List[int]:
-        """What a poll reads: the ``focus`` stage (a stage peer's own) once ``focus_period_s`` passed since its
-        last read (by default on every poll), every other stage once ``others_period_s`` passed (with no focus:
-        all)."""
+    def stages_due(self, period_s: Optional[float]) -> List[int]:
+        """The stages last read ``period_s`` seconds ago or longer (records are stored no more often, so an earlier
+        read finds nothing new); None: every stage."""
         now = time.monotonic()
-        return [
-            stage
-            for stage, known in enumerate(self.stages)
-            if focus is None or now - known.read_at >= (focus_period_s if stage == focus else others_period_s)
-        ]
+        return [stage for stage, known in enumerate(self.stages) if period_s is None or now - known.read_at >= period_s]
 
     def levels(self) -> List[int]:
         return [known.level for known in self.stages]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Iterable, List, Tuple
+from typing import Collection, Iterable, List, Sequence, Tuple
 
 __all__ = [
     "SHARD_CAPACITY",
@@ -41,6 +41,7 @@ __all__ = [
     "shards_to_read",
     "probe_due",
     "coverage_polls",
+    "stages_to_read",
 ]
 
 # records a shard holds at most when the level matches the stage's size: what one read of a stage moves
@@ -146,3 +147,19 @@ def coverage_polls(level: int, rotate: int) -> float:
     """Polls a reader needs to see every shard once."""
     count = shard_count(level)
     return 1.0 if rotate < 0 or rotate + 1 >= count else math.ceil((count - 1) / rotate)
+
+
+def stages_to_read(read_at: Sequence[float], max_stages: int, urgent: Collection[int] = ()) -> List[int]:
+    """The stages a reader of the whole swarm (a trainer) reads this time, in stage order: every ``urgent`` one
+    (a call there failed), then those read longest ago (``read_at``: when each stage was last read), ``max_stages``
+    in all unless more are urgent. Between reads such a reader learns what it routes by from its calls' replies,
+    and needs a stage's records only for who serves there: a few stages a read keeps its traffic flat however
+    many stages the model has, and every stage is read once in ``ceil(stages / max_stages)`` reads."""
+    if max_stages < 1:
+        raise ValueError(f"max_stages must be at least 1, got {max_stages}")
+    chosen = {stage for stage in urgent if 0 <= stage < len(read_at)}
+    for stage in sorted(range(len(read_at)), key=lambda s: (read_at[s], s)):
+        if len(chosen) >= max_stages:
+            break
+        chosen.add(stage)
+    return sorted(chosen)

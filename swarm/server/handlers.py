@@ -6,7 +6,9 @@ into a 'bad_request' reply; the compute runs on the peer's single compute thread
 
 Forward and backward replies say which parameters computed them (``step`` of a forward, ``params_step``
 of a backward, and ``digest``), so that a trainer compares two replicas' replies only when they used
-the same parameters. A backward with ``verify: true`` computes the same reply without accumulating
+the same parameters. A backward reply also carries the replica's ``ledger_fields``
+(:mod:`swarm.dht.ledger_fields`): the steps it applied and whether its own gradients were in them, which the
+trainer's ledger settles by between its reads of the DHT. A backward with ``verify: true`` computes the same reply without accumulating
 anything: a trainer checking another replica's reply (it passes the same per-caller limits as any call).
 
 A forward that carries a ``micro_batch_id`` is a training forward: the replica keeps its graph (see
@@ -29,6 +31,7 @@ from typing import Any, Dict, Optional, Protocol, Tuple
 import torch
 
 from swarm.dht.agreement import settings_reply
+from swarm.dht.ledger_fields import ledger_fields_of
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError
 from swarm.server.batching import BackwardBatcher, ForwardBatcher
@@ -212,7 +215,10 @@ class StageHandlers:
         peer.notify_progress()
         # the adoptions counted before the work was queued: if one came meanwhile, the work may have landed
         # before it (and been dropped) or after; the older count makes the trainer re-send it in doubt
-        return _backward_reply(grad_inputs, loss, step, runner, before, resets)
+        reply = _backward_reply(grad_inputs, loss, step, runner, before, resets)
+        if peer.state != PeerState.STOPPED:  # a stopped peer has no record to take them from
+            reply["ledger_fields"] = ledger_fields_of(peer.announcer.record())
+        return reply
 
     async def _verify_backward(self, request: Dict[str, Any]) -> Dict[str, Any]:
         """A backward that accumulates nothing: no micro-batch id, no room in the step needed."""

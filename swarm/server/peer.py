@@ -345,7 +345,7 @@ class StagePeer:
         if directory is None:
             raise RuntimeError("the peer has not started: it has no directory to read")
         period, last = self.config.announce_period_s, self.run.num_stages - 1
-        due = directory.stages_due(None if fresh else self.stage, period, period)
+        due = directory.stages_due(None if fresh else period)
         if not (fresh or every_stage or self.stage is None):
             due = [stage for stage in due if stage in (self.stage, last)]
         if due:

@@ -45,11 +45,11 @@ MESSAGE_CAP_BYTES = 4 * 1024 * 1024  # hivemind's cap on a unary protobuf messag
 class TrafficModel:
     record_bytes: float  # a stored record: msgpack, signature and owner subkey
     num_stages: int
-    announce_period_s: float = 1.0  # live PeerConfig.announce_period_s: stores, and reads of the other stages
-    # reads of the peer's own stage: live, PeerConfig.poll_period_s while the stage is near a global step (the
-    # default here: the costlier case), announce_period_s far from one (policy.steps.seconds_between_reads)
-    read_period_s: float = 0.25
-    probe_period_s: float = 10.0  # swarm.dht.directory.PROBE_PERIOD_S
+    announce_period_s: float = 60.0  # PeerConfig.announce_period_s: stores, and reads of the other stages
+    # reads of the peer's own stage: live, once an announce period (near a global step stage-mates exchange
+    # progress by direct calls instead: ProgressModel)
+    read_period_s: float = 60.0
+    probe_period_s: float = 480.0  # swarm.dht.directory.probe_period_for(announce_period_s)
     chains: int = 4  # swarm.dht.directory.PROBE_CHAINS
     rotate: int = 1  # shards a read covers besides the reader's own
     replication: int = 5  # nodes a value is stored on (hivemind's num_replicas default)
@@ -157,11 +157,17 @@ def progress_bytes_per_s(model: ProgressModel, num_peers: int, num_stages: int) 
 
 
 def trainer_bytes_per_s(
-    model: TrafficModel, num_peers: int, refresh_period_s: float, trainer_record_bytes: float
+    model: TrafficModel,
+    num_peers: int,
+    refresh_period_s: float,
+    trainer_record_bytes: float,
+    stages_per_refresh: Optional[int] = None,
+    probe_period_s: Optional[float] = None,
 ) -> float:
-    """Bytes per second one trainer sends and receives: every stage read once a refresh period (a trainer is a DHT
-    client: it serves no lookups), a probe of every stage every ``probe_period_s``, and its own record stored
-    once a refresh period."""
+    """Bytes per second one trainer sends and receives: ``stages_per_refresh`` stages read once a refresh period
+    (None: every stage; a trainer is a DHT client: it serves no lookups), so each stage once in
+    ``ceil(stages / stages_per_refresh)`` periods; a probe of every stage on its first read ``probe_period_s``
+    after the last (None: the model's); and its own record stored once a refresh period."""
     hops, size = _hops(num_peers), _stage_size(model, num_peers)
     level = level_for(size)
     lookup = hops * model.hop_bytes
@@ -172,4 +178,7 @@ def trainer_bytes_per_s(
     shard_bytes = len(write_levels(size)) * size / shard_count(level) * model.record_bytes * model.overhead
     probe = model.chains * (mean_probe_levels(level) * lookup + shard_bytes)
     store = lookup + model.replication * trainer_record_bytes * model.overhead
-    return model.num_stages * (one_stage / refresh_period_s + probe / model.probe_period_s) + store / refresh_period_s
+    read = model.num_stages if stages_per_refresh is None else min(model.num_stages, stages_per_refresh)
+    cycle_s = refresh_period_s * math.ceil(model.num_stages / read)
+    probe_s = math.ceil((probe_period_s or model.probe_period_s) / cycle_s) * cycle_s
+    return read * one_stage / refresh_period_s + model.num_stages * probe / probe_s + store / refresh_period_s
