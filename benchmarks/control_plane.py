@@ -362,8 +362,9 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--layouts", default="2x8+2,8x4+8",
                         help="live layouts, STAGESxREPLICAS+TRAINERS, each in network namespaces (needs root); '' = none")
     parser.add_argument("--window_s", type=float, default=120.0, help="seconds each live window is counted over")
-    parser.add_argument("--target_batch_size", type=int, default=65536,
-                        help="the live runs' global batch: about a minute a step on 2 cores")
+    parser.add_argument("--target_batch_size", type=int, default=16384,
+                        help="the live runs' global batch: about half a minute a step on 2 cores, and less than one "
+                             "trainer holds unconfirmed (4,096 micro-batches of 8), else its steps never close")
     parser.add_argument("--log_dir", default="runs/control_plane", help="where the live roles' logs go")
     parser.add_argument("--model_peers", default="1000,10000", help="comma list of modelled swarm sizes")
     parser.add_argument("--model_stages", default="8,64", help="comma list of modelled stage counts")

@@ -166,3 +166,14 @@ async def test_the_trainer_reads_a_few_stages_a_refresh_holds_the_rest_and_commi
     trainer._on_ledger_fields("p3", 5, ledger_fields_of(peer("p3", 5, step=7)))
     await trainer.refresh([3])
     assert trainer.records["p3"].step == 0
+
+
+async def test_a_trainer_held_by_its_ledger_bound_says_why(caplog):
+    config = TrainerConfig(run=RUN, max_uncommitted=1)
+    trainer = Trainer(config, dht=SimpleNamespace(peer_id="trainer"), corpus=object())
+    for stage in range(RUN.num_stages):  # one micro-batch's contributions at every stage: the bound
+        trainer.ledger.add(Contribution("m", stage, f"p{stage}", 0, 8, torch.zeros(8, 4)))
+    with caplog.at_level("WARNING"):
+        await trainer._wait_for_commits(time.monotonic() + 0.2)
+    warnings = [r.getMessage() for r in caplog.records if "waiting for global steps" in r.getMessage()]
+    assert len(warnings) == 1 and "max_uncommitted" in warnings[0]

@@ -69,6 +69,7 @@ MEMBERS_TIMEOUT_S = 5.0  # seconds one step_members call may take
 _NO_ANSWER = object()  # a replica that did not answer step_members (as opposed to "unknown step": None)
 ACCUSATIONS_PERIOD_S = 5.0  # seconds between reads of the run's accusations, at least (refresh_period_s if longer)
 STALE_REFRESH_GAP_S = 2.0  # seconds at least between two refreshes (a failed call asks for one at once)
+LEDGER_FULL_WARNING_S = 60.0  # seconds at least between two warnings that the ledger's bound holds the workers
 SETTLE_PERIOD_S = 5.0  # seconds between settlings of the ledger with the replies' ledger fields, between DHT reads
 ACCUSATION_EXPIRATION_S = 300.0  # seconds an accusation stays in the DHT
 
@@ -141,6 +142,7 @@ class Trainer:
         self._replied: Dict[str, Tuple[int, Dict[str, Any]]] = {}
         self._urgent: Set[int] = set()  # stages where a call failed since they were last read
         self._bad_replies: Set[str] = set()  # peers whose replies carried malformed ledger fields (warned once)
+        self._warned_full_at = -math.inf  # when the workers' wait for commits was last explained in the log
         self.directory: Optional[Directory] = None  # the run's stage directories as this trainer reads them
         self._snapshot: Tuple[PeerInfo, ...] = ()
         self._shunned: Set[str] = set()  # replicas most of whose stage-mates banned them from averaging
@@ -465,6 +467,14 @@ class Trainer:
     async def train(self, on_progress: Optional[Callable[["Trainer"], None]] = None) -> TrainerMetrics:
         """Train until max_samples were sent or duration_s passed; returns the metrics."""
         self._reserved, self._draining = 0, False
+        held = self.config.max_uncommitted * self.config.batch_size
+        if self.run.target_batch_size > held:
+            logger.warning(
+                f"the run's global batch ({self.run.target_batch_size} samples) is more than this trainer holds "
+                f"unconfirmed (max_uncommitted {self.config.max_uncommitted} x batch_size {self.config.batch_size} = "
+                f"{held} samples): unless other trainers send the rest, no global step closes and this trainer stops "
+                f"once it holds {held}; raise --max_uncommitted (memory: every stage's inputs of each micro-batch)"
+            )
         deadline = time.monotonic() + (self.config.duration_s if self.config.duration_s is not None else math.inf)
         reporter = asyncio.create_task(self._report_loop(on_progress))
         try:
@@ -478,6 +488,13 @@ class Trainer:
         """Memory bound: the ledger keeps each stage's input of every unconfirmed micro-batch, so stop
         drawing new ones while ``max_uncommitted`` micro-batches await their global step."""
         while len(self.ledger) >= self.config.max_uncommitted * self.run.num_stages and time.monotonic() < deadline:
+            now = time.monotonic()
+            if now - self._warned_full_at >= LEDGER_FULL_WARNING_S:
+                self._warned_full_at = now
+                logger.warning(
+                    f"waiting for global steps: {self.config.max_uncommitted} micro-batches await theirs "
+                    f"(max_uncommitted); no new one is drawn until the stages apply a step that holds them"
+                )
             self._settled.clear()
             try:
                 await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
