@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
     must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, rounds_before_stepping_alone, trusted_others, confirmed_below, majority_group, min_group_size, full_group_size, stage_mates,
@@ -260,3 +262,15 @@ def test_a_replica_measures_its_stages_rate_from_the_growth_of_the_stages_pendin
     assert coordinator.samples_per_s == 15.0, "a read after the step closed starts over"
     coordinator._measure_rate(view(step=4, accum_step=4, samples_pending=5))
     assert coordinator.samples_per_s == 7.5  # an idle stage's rate falls towards 0
+
+
+def test_watchers_ask_the_clock_less_often_only_when_its_replicas_would_take_more_than_their_share():
+    from swarm.policy.steps import CLOCK_CALLS_PER_POLL, clock_watch_period_s
+
+    poll = 0.25
+    assert clock_watch_period_s(2, 2, poll) == poll  # 2 watchers x 2 asked / 2 replicas: 2 calls a poll each
+    assert clock_watch_period_s(8, 125, poll) == poll  # 1,000 peers of 8 stages
+    assert clock_watch_period_s(1, 4, poll) == poll and clock_watch_period_s(64, 0, poll) == poll
+    many = clock_watch_period_s(64, 16, poll)  # 1,000 peers of 64 stages: 63 x 2 x 3 / 16 calls a poll each
+    assert many == pytest.approx(poll * 63 * 2 * 3 / 16 / CLOCK_CALLS_PER_POLL)
+    assert clock_watch_period_s(64, 157, poll) < many  # more clock replicas share the calls

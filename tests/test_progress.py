@@ -14,7 +14,8 @@ import swarm.server.progress as progress_module
 from swarm import PROTOCOL_VERSION
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError
-from swarm.server.progress import CLOCK_ASKED, CLOCK_WATCHERS, MAX_ASKED, PROGRESS_FIELDS, SILENT_CALLS, StageProgress, progress_of
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, clock_watch_period_s
+from swarm.server.progress import MAX_ASKED, PROGRESS_FIELDS, SILENT_CALLS, StageProgress, progress_of
 
 RUN_HASH = "abcd"
 
@@ -114,6 +115,25 @@ def test_whom_to_ask_is_the_stage_and_on_other_stages_the_clock():
     assert StageProgress(_Peer("QmC", 1, num_stages=3)).whom_to_ask(records) == ["QmD", "QmE"]
     # the clock stage asks only its own stage-mates; a joiner there is one of them
     assert StageProgress(_Peer("QmE", 2, num_stages=3)).whom_to_ask(records) == ["QmG"]
+
+
+async def test_with_many_stages_a_watcher_asks_a_clock_replica_once_a_clock_watch_period(monkeypatch):
+    """64 stages, 2 clock replicas: each is asked by 63 x 2 watchers; a watcher that heard a clock replica asks
+    it again only a clock-watch period later, and its stage-mates every poll period as before."""
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    records = {pid: _record(pid, stage) for pid, stage in [("QmA", 0), ("QmB", 0), ("QmY", 63), ("QmZ", 63)]}
+    watcher = StageProgress(_Peer("QmA", 0, num_stages=64))
+    monkeypatch.setattr(watcher, "watches_clock", lambda records: True)
+    period = clock_watch_period_s(64, 2, 0.25)
+    assert period == pytest.approx(0.25 * 63 * 2 * 2 / 2 / 2)
+    assert watcher.whom_to_ask(records) == ["QmB", "QmY", "QmZ"]
+    for pid in ("QmB", "QmY", "QmZ"):
+        watcher.hear(progress_of(_record(pid, records[pid].stage)), pid)
+    now[0] += 0.25
+    assert watcher.whom_to_ask(records) == ["QmB"], "the clock replicas were heard within the watch period"
+    now[0] += period
+    assert watcher.whom_to_ask(records) == ["QmB", "QmY", "QmZ"]
 
 
 async def test_a_large_stage_is_asked_a_bounded_share_at_a_time_and_a_mate_that_just_called_is_not_asked(monkeypatch):

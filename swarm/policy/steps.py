@@ -56,6 +56,10 @@ __all__ = [
     "round_is_over",
     "near_threshold",
     "seconds_between_reads",
+    "clock_watch_period_s",
+    "CLOCK_ASKED",
+    "CLOCK_WATCHERS",
+    "CLOCK_CALLS_PER_POLL",
     "MAX_CLAIM_SHARE",
     "DISTRUST_S",
     "FIRST_STRIKE_S",
@@ -67,6 +71,10 @@ MAX_CLAIM_SHARE = 2.0
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored once they proved false
 FIRST_STRIKE_S = 15.0  # seconds for a first failure that an honest replica can cause too
 NEAR_TARGET_S = 5.0  # a stage that reaches its global batch within this many seconds at its rate is near it
+CLOCK_WATCHERS = 2  # replicas of each other stage that ask the clock stage for its step (the watchers)
+CLOCK_ASKED = 3  # replicas of the clock stage a watcher asks per read at most (its view of the clock's step)
+# progress calls one clock replica takes from the other stages' watchers per poll period, on average, at most
+CLOCK_CALLS_PER_POLL = 2.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,18 @@ def seconds_between_reads(view: StageView, poll_period_s: float, announce_period
         return announce_period_s
     until_near = (near_threshold(view) - _held(view)) / view.samples_per_s
     return min(announce_period_s, max(poll_period_s, until_near))
+
+
+def clock_watch_period_s(num_stages: int, clock_replicas: int, poll_period_s: float) -> float:
+    """How often a watcher asks the clock stage's replicas while its stage is near a step: every poll period, or
+    as much less often as keeps the calls one clock replica takes from every other stage's watchers to
+    ``CLOCK_CALLS_PER_POLL`` a poll period. A stage other than the clock never waits for the clock's step (it
+    accumulates on), so hearing of it later only moves a few of its samples into the step it is closing: no
+    throughput is lost, and a clock replica's traffic stays flat however many stages the model has."""
+    if num_stages < 2 or clock_replicas < 1:
+        return poll_period_s
+    calls = (num_stages - 1) * CLOCK_WATCHERS * min(CLOCK_ASKED, clock_replicas) / clock_replicas
+    return poll_period_s * max(1.0, calls / CLOCK_CALLS_PER_POLL)
 
 
 def stage_is_full(view: StageView) -> bool:

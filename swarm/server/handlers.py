@@ -8,8 +8,9 @@ Forward and backward replies say which parameters computed them (``step`` of a f
 of a backward, and ``digest``), so that a trainer compares two replicas' replies only when they used
 the same parameters. A backward reply also carries the replica's ``ledger_fields``
 (:mod:`swarm.dht.ledger_fields`): the steps it applied and whether its own gradients were in them, which the
-trainer's ledger settles by between its reads of the DHT. A backward with ``verify: true`` computes the same reply without accumulating
-anything: a trainer checking another replica's reply (it passes the same per-caller limits as any call).
+trainer's ledger settles by between its reads of the DHT. A backward with ``verify: true`` computes the same
+reply without accumulating anything: a trainer checking another replica's reply (it passes the same per-caller
+limits as any call).
 
 A forward that carries a ``micro_batch_id`` is a training forward: the replica keeps its graph (see
 :mod:`swarm.server.forward_cache`) so that the micro-batch's backward, if it comes back here, need not

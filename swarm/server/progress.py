@@ -16,7 +16,8 @@ like a DHT record: the step policy decides how far to believe it. The cost is bo
 does not ask a stage-mate that called it within the poll period (that call told both sides), asks at
 most ``MAX_ASKED`` stage-mates (those it heard from longest ago, so a large stage is covered over a few
 reads); and on each stage but the last, ``CLOCK_WATCHERS`` replicas ask ``CLOCK_ASKED`` replicas of the
-clock stage, whose step is the median of what they answer, and the others follow them. A
+clock stage, whose step is the median of what they answer, and the others follow them; with many stages, each
+clock replica less often than every poll period (:func:`swarm.policy.steps.clock_watch_period_s`). A
 replica that does not answer keeps its last known record for ``SILENT_CALLS`` calls in a row, then drops
 out of the view; it is asked again once an announce period until it answers.
 """
@@ -36,6 +37,7 @@ from hivemind.utils import get_logger
 
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError, call_peer
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, clock_watch_period_s
 from swarm.server.host import CurrentStage, Settings, served
 
 __all__ = [
@@ -48,8 +50,6 @@ __all__ = [
     "SILENT_CALLS",
     "MAX_HEARD",
     "MAX_ASKED",
-    "CLOCK_ASKED",
-    "CLOCK_WATCHERS",
 ]
 
 logger = get_logger(__name__)
@@ -58,8 +58,6 @@ PROGRESS_TIMEOUT_S = 2.0  # seconds one progress call may take
 SILENT_CALLS = 3  # failed calls in a row after which a replica leaves the view until it answers again
 MAX_HEARD = 1024  # records remembered from calls (the oldest are forgotten first)
 MAX_ASKED = 8  # stage-mates asked per read at most
-CLOCK_ASKED = 3  # replicas of the clock stage a watcher asks per read at most (its view of the clock's step)
-CLOCK_WATCHERS = 2  # replicas of each other stage that ask the clock stage (see StageProgress.watches_clock)
 # what a progress call carries of a record: what the step protocol decides on
 PROGRESS_FIELDS = (
     "version",
@@ -160,18 +158,24 @@ class StageProgress:
         peer, now = self.peer, time.monotonic()
         stage, last = served(peer.stage, "stage"), peer.run.num_stages - 1
 
-        def oldest_news(in_stage: int, states, count: int) -> List[str]:
+        def oldest_news(in_stage: int, states, count: int, period_s: float) -> List[str]:
             due = [
                 r.peer_id
                 for r in records.values()
-                if r.peer_id != peer.peer_id and r.stage == in_stage and r.state in states and self._due(r.peer_id, now)
+                if r.peer_id != peer.peer_id
+                and r.stage == in_stage
+                and r.state in states
+                and self._due(r.peer_id, now, period_s)
             ]
             due.sort(key=lambda peer_id: (self.last_heard(peer_id) or -math.inf, peer_id))
             return due[:count]
 
-        asked = oldest_news(stage, ("online", "leaving", "joining"), MAX_ASKED)
+        poll_s = peer.config.poll_period_s
+        asked = oldest_news(stage, ("online", "leaving", "joining"), MAX_ASKED, poll_s)
         if stage != last and self.watches_clock(records):
-            asked += oldest_news(last, ("online", "leaving"), CLOCK_ASKED)
+            clock = sum(r.stage == last and r.state in ("online", "leaving") for r in records.values())
+            period_s = clock_watch_period_s(peer.run.num_stages, clock, poll_s)
+            asked += oldest_news(last, ("online", "leaving"), CLOCK_ASKED, period_s)
         for peer_id in asked:
             if self.silent.get(peer_id, 0) >= SILENT_CALLS:
                 self._asked_silent_at[peer_id] = now
@@ -192,14 +196,14 @@ class StageProgress:
         )
         return peer.peer_id in mates[:CLOCK_WATCHERS]
 
-    def _due(self, peer_id: str, now: float) -> bool:
-        """Whether to ask ``peer_id``: not if it called within the poll period (its call told both sides), and a
+    def _due(self, peer_id: str, now: float, period_s: float) -> bool:
+        """Whether to ask ``peer_id``: not if it was heard from (it called or answered) within ``period_s``, and a
         silent replica once an announce period."""
         config = self.peer.config
         if self.silent.get(peer_id, 0) >= SILENT_CALLS:
             return now - self._asked_silent_at.get(peer_id, -1e9) >= config.announce_period_s
         heard = self.heard.get(peer_id)
-        return heard is None or now - heard.at >= config.poll_period_s
+        return heard is None or now - heard.at >= period_s
 
     async def ask(self, peer_ids: List[str]) -> None:
         """Exchange records with ``peer_ids`` at once; each answer lands in :attr:`heard`."""

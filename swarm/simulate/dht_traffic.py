@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 from swarm.policy.directory import level_for, mean_probe_levels, shard_count, write_levels
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, clock_watch_period_s
 
 __all__ = [
     "TrafficModel",
@@ -133,8 +134,6 @@ class ProgressModel:
     near_s: float = 5.0  # swarm.policy.steps.NEAR_TARGET_S: how long before a step replicas call each other
     step_s: float = 60.0  # seconds a global step takes
     max_asked: int = 8  # swarm.server.progress.MAX_ASKED
-    clock_asked: int = 3  # swarm.server.progress.CLOCK_ASKED
-    clock_watchers: int = 2  # swarm.server.progress.CLOCK_WATCHERS
 
 
 def progress_bytes_per_s(model: ProgressModel, num_peers: int, num_stages: int) -> Dict[str, float]:
@@ -142,14 +141,16 @@ def progress_bytes_per_s(model: ProgressModel, num_peers: int, num_stages: int) 
     a stage that is not the last, ``clock_peer`` for one of the last (which the other stages' watchers ask).
 
     A replica asks at most ``max_asked`` stage-mates a period and is asked by as many (a mate that called is
-    not asked back in the same period, so this bounds it from above); of each other stage ``clock_watchers``
-    replicas also ask ``clock_asked`` clock replicas."""
+    not asked back in the same period, so this bounds it from above); of each other stage ``CLOCK_WATCHERS``
+    replicas also ask ``CLOCK_ASKED`` clock replicas, once a clock-watch period
+    (:func:`swarm.policy.steps.clock_watch_period_s`: a poll period, longer with many stages)."""
     replicas = max(1, math.ceil(num_peers / num_stages))
     near = min(1.0, model.near_s / model.step_s)
     calls_per_s = near / model.poll_period_s
     mates = 2 * min(model.max_asked, replicas - 1)
-    watcher_share = model.clock_watchers / replicas * min(model.clock_asked, replicas)
-    clock_in = (num_stages - 1) * model.clock_watchers * min(model.clock_asked, replicas) / replicas
+    slower = clock_watch_period_s(num_stages, replicas, model.poll_period_s) / model.poll_period_s
+    watcher_share = CLOCK_WATCHERS / replicas * min(CLOCK_ASKED, replicas) / slower
+    clock_in = (num_stages - 1) * CLOCK_WATCHERS * min(CLOCK_ASKED, replicas) / replicas / slower
     return {
         "peer": calls_per_s * model.exchange_bytes * (mates + (watcher_share if num_stages > 1 else 0.0)),
         "clock_peer": calls_per_s * model.exchange_bytes * (mates + clock_in),

@@ -20,7 +20,8 @@ Model (documented simplifications):
   current rates, the policy's figures (held, pending) could cross the near threshold or the target,
   and whenever the engine's flow changes the clock's replicas announce, their rates are re-read and
   that instant re-predicted.
-  Other stages are checked one poll after the clock applies a step, when a replica joins, and
+  Other stages are checked one clock-watch period after the clock applies a step (a poll period, longer
+  with many stages: :func:`swarm.policy.steps.clock_watch_period_s`), when a replica joins, and
   every ``idle_check_period_s``; their rates are re-read at their checks only. Every replica reads the same
   snapshot (claims are refreshed at every check), so the view of the replica with the lowest id
   among those able to act decides when the stage closes and whether new gradients must wait;
@@ -48,6 +49,7 @@ from swarm.policy.steps import (
     ReplicaClaim,
     StageView,
     absent_claimants,
+    clock_watch_period_s,
     distrust_seconds,
     full_group_size,
     majority_state,
@@ -547,5 +549,7 @@ class StepSim:
             if step > len(self.report.step_times_s):  # a step applied alone after the others' does not count twice
                 self.report.step_times_s.append(now)
                 self.report.step_samples.append(sum(gathered.values()))
+            clock = len(stage.replicas)
+            watch_s = clock_watch_period_s(len(self.stages), clock, self.config.poll_period_s)
             for other in self.stages[:-1]:
-                self._schedule(other, now + self.config.poll_period_s)
+                self._schedule(other, now + watch_s)
