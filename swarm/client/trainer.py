@@ -154,7 +154,8 @@ class Trainer:
         self._sampling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-sampling")
         self._resending: Set[Tuple[str, int]] = set()
         self._asking: Set[StepKey] = set()
-        # (peer id, stage) -> when a DHT read last showed that peer online at that stage
+        # (peer id, stage) -> when the trainer's view (records read or held, replies laid over them) last showed
+        # that peer online at that stage
         self._last_serving: Dict[Tuple[str, int], float] = {}
         # (stage, step) -> (when asked, {replica: the step's members, or None if it did not know the step})
         self._members: Dict[StepKey, Tuple[float, Dict[str, Optional[FrozenSet[str]]]]] = {}

@@ -24,8 +24,9 @@ def held_records(
     record it has seen, by peer id), and the ones it held before of the stages it did not read this time,
     unless the peer appears in ``fresh`` (it moved)."""
     read = set(read)
-    kept = {peer_id: record for peer_id, record in previous.items() if record.stage not in read}
-    kept = {peer_id: record for peer_id, record in kept.items() if peer_id not in fresh}
+    kept = {
+        peer_id: record for peer_id, record in previous.items() if record.stage not in read and peer_id not in fresh
+    }
     return {**kept, **fresh}
 
 
