@@ -11,10 +11,13 @@ role sent and received: libp2p's framing, Noise, yamux and TCP included. Two win
             channels: nothing else goes there) and the all-reduce (through p2pd). Control bytes = the
             wire bytes of the host's connections other than direct channels, counted per connection with
             ``ss`` (payload plus 66 bytes of Ethernet, IP and TCP headers a segment; offloads are off on
-            every link, so a segment is a frame), less an all-reduce estimate of ``2 x (replicas - 1) /
-            replicas x`` the stage's parameter bytes per global step it applied (what butterfly all-reduce
-            moves in and out, plus 4% of headers). Connections that closed within the window are not
-            counted; ``link_bytes_per_s_per_peer`` and ``data_plane_bytes_per_s_per_peer`` show the whole.
+            every link, so a segment is a frame), less the all-reduce: the encoded messages the peer's
+            averager counted in its rounds (``swarm_peer_allreduce_bytes``; a robust round sends each member's
+            whole gradient to every other member, about ``2 x (replicas - 1)`` gradients in and out a step),
+            plus ``ALLREDUCE_HEADERS`` of TCP, Noise and yamux framing. The streams' opening (multistream
+            negotiation, a few small segments each, 3 exchanges x 2 x (replicas - 1) streams a round) stays in
+            the control bytes. Connections that closed within the window are not counted;
+            ``link_bytes_per_s_per_peer`` and ``data_plane_bytes_per_s_per_peer`` show the whole.
 
 The metrics scrapes that read the peers' steps cross the links too; their bytes are subtracted.
 """
@@ -39,7 +42,7 @@ READY_TIMEOUT_S = 300.0
 METRICS_PORT = 9400  # every host is its own namespace: the same port on each
 SCRAPE_OVERHEAD_BYTES = 700  # a scrape's request, HTTP headers and TCP handshake, beyond the body
 SEGMENT_HEADER_BYTES = 66  # Ethernet (14), IP (20) and TCP with timestamps (32) of one segment on a veth
-ALLREDUCE_HEADERS = 1.04  # wire bytes per payload byte of bulk TCP (1448-byte segments)
+ALLREDUCE_HEADERS = 1.05  # wire bytes per encoded byte of bulk TCP: 66 B a 1448-byte segment, Noise and yamux
 
 
 @dataclass(frozen=True)
@@ -198,11 +201,12 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
     per_peer = []
     for host, (before, _), (after, scrape_cost) in zip(peer_hosts, scraped, scraped_after):
         steps = after.get("swarm_global_step", 0.0) - before.get("swarm_global_step", 0.0)
-        allreduce = ALLREDUCE_HEADERS * steps * 2 * (layout.replicas - 1) / layout.replicas * param_bytes_per_stage
+        counted = after.get("swarm_peer_allreduce_bytes", 0.0) - before.get("swarm_peer_allreduce_bytes", 0.0)
+        allreduce = ALLREDUCE_HEADERS * max(0.0, counted)
         moved = links_after[host] - links[host] - scrape_cost  # the first scrape ended before the window began
         control = p2pd[host] - allreduce if trainer_hosts else moved  # idle: the whole link is control
         per_peer.append({"link": moved, "data": data[host], "allreduce": allreduce, "steps": steps,
-                         "control": max(0.0, control)})
+                         "allreduce_counted": counted, "control": max(0.0, control)})
     per_trainer = [p2pd[h] / elapsed for h in trainer_hosts]
     control = [p["control"] / elapsed for p in per_peer]
     return {
@@ -215,6 +219,11 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         "bytes_per_s_per_trainer": round(sum(per_trainer) / len(per_trainer), 1) if per_trainer else None,
         "bootstrap_bytes_per_s": round((links_after[0] - links[0]) / elapsed, 1),
         "global_steps": max((p["steps"] for p in per_peer), default=0),
+        # what the averagers counted a step, against one stage's float32 gradient (a robust round moves about
+        # 2 x (replicas - 1) of them in and out, less the compression and for members with no samples)
+        "allreduce_bytes_per_step_per_peer": round(sum(p["allreduce_counted"] for p in per_peer)
+                                                   / max(1.0, sum(p["steps"] for p in per_peer)), 1),
+        "gradient_bytes": param_bytes_per_stage,
         "window_s": round(elapsed, 1),
         "source": "live",
         "_control_per_peer": [round(c, 1) for c in control],

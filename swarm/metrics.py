@@ -150,6 +150,7 @@ class PeerSnapshot:
     recomputed: int = 0  # backward passes that recomputed their forward
     forward_cache: Dict[str, int] = field(default_factory=dict)  # ForwardCache.stats()
     banned_replicas: int = 0  # stage-mates banned from averaging now
+    allreduce_bytes: int = 0  # encoded messages sent and received in robust averaging rounds, as of the last round
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,11 @@ def peer_families(s: PeerSnapshot) -> List[Metric]:
         _counter("swarm_peer_forwards", "Module forward passes run, recomputations included", s.forwards),
         _counter("swarm_peer_recomputed_backwards", "Backward passes that recomputed their forward", s.recomputed),
         _gauge("swarm_peer_banned_replicas", "Stage-mates banned from averaging now", s.banned_replicas),
+        _counter(
+            "swarm_peer_allreduce_bytes",
+            "Bytes of encoded messages sent and received in robust averaging rounds, as of the last round",
+            s.allreduce_bytes,
+        ),
     ]
     for key in ("hits", "misses", "evicted", "mismatched"):
         if key in s.forward_cache:

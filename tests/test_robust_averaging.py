@@ -137,10 +137,14 @@ async def test_a_nan_replica_is_dropped_and_banned_and_the_others_agree(group_fa
         assert attacker in result.banned and "non-finite" in result.banned[attacker]
         assert attacker not in result.included and len(result.included) == 3
     assert all(torch.equal(flat(honest[0].tensors), flat(r.tensors)) for r in honest[1:])
+    # each member sent its float32 gradient to the 3 others and received theirs: the averager counted it all
+    gradient_bytes = 4 * flat(honest[0].tensors).numel()
+    assert all(r.wire_bytes >= 2 * 3 * gradient_bytes for r in honest), [r.wire_bytes for r in honest]
     # banned: in the next round the honest averagers refuse the attacker's join requests and parts
     again = await group.round([honest_grads(10 + i) for i in range(4)])
-    for result in again[:3]:
+    for result, before in zip(again[:3], honest):
         assert result is not None and attacker not in result.included
+        assert result.wire_bytes >= before.wire_bytes + 2 * 2 * gradient_bytes  # a running total over rounds
 
 
 async def test_without_the_defence_nan_and_sign_flip_get_in(group_factory):

@@ -31,6 +31,11 @@ class _Network:
         self.dead: Set[str] = set()
         self.ghosts: Set[str] = set()  # placed in the group but never joined the round: holds streams open
         self.value_bytes: Dict[Tuple[str, str], int] = {}  # (sender, kind) -> tensor bytes it sent
+        self.moved: Dict[str, int] = {}  # member -> encoded bytes of the messages and replies it sent or received
+
+    def carried(self, sender: str, receiver: str, size: int) -> None:
+        for member in (sender, receiver):
+            self.moved[member] = self.moved.get(member, 0) + size
 
 
 class _Link:
@@ -54,9 +59,15 @@ class _Link:
 
         async def stream():
             for message in sent:
+                self.network.carried(str(self.sender), str(self.receiver), message.ByteSize())
                 yield message
-        return self.network.rounds[str(self.receiver)].rpc_aggregate_part(
-            stream(), SimpleNamespace(remote_id=self.sender))
+
+        async def replies():
+            async for reply in self.network.rounds[str(self.receiver)].rpc_aggregate_part(
+                    stream(), SimpleNamespace(remote_id=self.sender)):
+                self.network.carried(str(self.receiver), str(self.sender), reply.ByteSize())
+                yield reply
+        return replies()
 
 
 def _members(count: int) -> List[Tuple[PeerID, object]]:
@@ -75,9 +86,10 @@ def _gradient(seed: int) -> torch.Tensor:
 
 async def _play(members, network: _Network, timeout: float, chunk_timeout: float,
                 samples: Optional[List[float]] = None, compression: str = "none",
-                send_override=None) -> List[Optional[torch.Tensor]]:
+                send_override=None, counted: Optional[Dict[str, int]] = None) -> List[Optional[torch.Tensor]]:
     """One round among the live members; what each applied (None: it sat the round out). ``samples``: what
-    each member claims (16 each by default); ``send_override``: member index -> what it sends instead."""
+    each member claims (16 each by default); ``send_override``: member index -> what it sends instead;
+    ``counted``: member -> the bytes its round reported through ``on_bytes``."""
     peer_ids = [peer_id for peer_id, _ in members]
     samples = samples or [16.0] * len(members)
     for index, (peer_id, key) in enumerate(members):
@@ -85,7 +97,8 @@ async def _play(members, network: _Network, timeout: float, chunk_timeout: float
             stub_for=lambda receiver, sender=peer_id: _Link(network, sender, receiver), group_id=b"group",
             peer_ids=peer_ids, peer_id=peer_id, vector=_gradient(index), samples=samples[index], key=key,
             config=AggregationConfig(), banned=set(), timeout=timeout, chunk_timeout=chunk_timeout,
-            compression=compression, send_override=(send_override or {}).get(index))
+            compression=compression, send_override=(send_override or {}).get(index),
+            on_bytes=None if counted is None else _adder(counted, str(peer_id)))
 
     async def one(peer_id: PeerID) -> Optional[torch.Tensor]:
         try:
@@ -94,6 +107,12 @@ async def _play(members, network: _Network, timeout: float, chunk_timeout: float
             return None
     live = [peer_id for peer_id in peer_ids if str(peer_id) not in network.dead | network.ghosts]
     return list(await asyncio.gather(*(one(peer_id) for peer_id in live)))
+
+
+def _adder(counted: Dict[str, int], member: str):
+    def add(size: int) -> None:
+        counted[member] = counted.get(member, 0) + size
+    return add
 
 
 def _distinct(applied: List[Optional[torch.Tensor]]) -> int:
@@ -147,6 +166,21 @@ async def test_a_member_that_never_joined_the_round_does_not_hold_the_others_up(
 async def test_a_round_without_late_messages_is_applied_by_everyone_alike(members):
     applied = await _play(members, _Network(), timeout=6.0, chunk_timeout=1.0)
     assert all(vector is not None for vector in applied) and _distinct(applied) == 1
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+async def test_a_round_counts_every_byte_it_sends_and_receives(members, compression):
+    """What each member reports through ``on_bytes`` is what the transport carried to and from it (messages and
+    replies); each member sends its whole gradient to every other member, so that is at least 2 x (n - 1)
+    encoded gradients."""
+    network, counted = _Network(), {}
+    applied = await _play(members, network, timeout=6.0, chunk_timeout=1.0, compression=compression,
+                          counted=counted)
+    assert all(vector is not None for vector in applied)
+    await asyncio.sleep(0.1)  # the last replies of sends still in flight when the rounds returned
+    assert counted == network.moved
+    gradient = SIZE * 4 if compression == "none" else SIZE  # int8: a code per value (and a scale per block)
+    assert all(size >= 2 * (len(members) - 1) * gradient for size in counted.values())
 
 
 def test_a_decision_counts_once_a_strict_majority_of_the_group_made_it(members):

@@ -82,7 +82,8 @@ OUTCOME_KEY = "swarm.robust_outcome"  # where a robust round's outcome travels b
 
 class RoundResult:
     """What one averaging round gave: the combined gradient, the groupmates' gathered metadata, and (for a
-    robust round) who went in, who was left out and why, and who got banned."""
+    robust round) who went in, who was left out and why, who got banned, and the bytes of messages the averager
+    sent and received in all its robust rounds so far (``wire_bytes``)."""
 
     def __init__(self, tensors: List[torch.Tensor], gathered: Dict[str, Any], outcome: Optional[Dict[str, Any]]):
         self.tensors, self.gathered = tensors, gathered
@@ -91,6 +92,7 @@ class RoundResult:
         self.excluded: Dict[str, str] = dict(outcome["excluded"]) if outcome else {}
         self.banned: Dict[str, str] = dict(outcome["banned"]) if outcome else {}
         self.tau: float = float(outcome["tau"]) if outcome else 0.0
+        self.wire_bytes: int = int(outcome.get("wire_bytes", 0)) if outcome else 0  # the averager's total so far
 
 
 def step_group_bits(step: int) -> str:
@@ -245,6 +247,7 @@ class StageAverager(StateSharingAverager):
         self._ban_s, self._max_samples = ban_s, max_samples
         self._banned: Dict[str, float] = {}  # peer id -> time.monotonic() until which it is banned (averager process)
         self._outcomes: Dict[bytes, Aggregate] = {}
+        self._wire_bytes = 0  # encoded messages sent and received in robust rounds (counted in the averager's process)
         super().__init__(averaged_buffers(grad_shapes), **kwargs)
 
     def run_in_background(self, await_ready: bool = True, timeout: Optional[float] = None) -> None:
@@ -480,10 +483,14 @@ class StageAverager(StateSharingAverager):
                 "excluded": outcome.excluded,
                 "banned": outcome.banned,
                 "tau": outcome.tau,
+                "wire_bytes": self._wire_bytes,
             }
         return gathered
 
     # ---- robust rounds: every check below runs in the averager's process ----
+
+    def _count_wire_bytes(self, size: int) -> None:
+        self._wire_bytes += size
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: Optional[bytes] = None, **kwargs: Any
@@ -510,6 +517,7 @@ class StageAverager(StateSharingAverager):
             send_override=self.send_override(),
             compression=self._compression,
             block_size=self._block_size,
+            on_bytes=self._count_wire_bytes,
         )
         self.running_groups[group_id].set_result(round_)
         try:

@@ -284,6 +284,7 @@ class StagePeer:
             recomputed=runner.num_recomputed if runner else 0,
             forward_cache=runner.forward_cache.stats() if runner else {},
             banned_replicas=len(steps.banned_now()) if steps is not None else 0,
+            allreduce_bytes=steps.allreduce_bytes if steps is not None else 0,
         )
 
     def shared_state(self) -> Tuple[Dict[str, Any], List[torch.Tensor]]:

@@ -238,7 +238,9 @@ class RobustRound:
 
     ``compression`` (one of :data:`swarm.net.compression.CODECS`, the same for the whole group) and
     ``block_size`` say how gradients travel. ``send_override`` lets an emulated attacker send another
-    vector to some members (tests and benchmarks)."""
+    vector to some members (tests and benchmarks). ``on_bytes`` is told the encoded size of every message the
+    member sends or receives, replies included, also after :meth:`run` returned (sends still in flight): what
+    the round puts on the wire before libp2p's framing."""
 
     def __init__(
         self,
@@ -258,8 +260,10 @@ class RobustRound:
         send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
         compression: str = "none",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        on_bytes: Optional[Callable[[int], None]] = None,
     ):
         self.stub_for, self.group_id, self.peer_id = stub_for, group_id, peer_id
+        self.on_bytes = on_bytes  # told the size of every message this member sends or receives in the round
         self.others = [p for p in peer_ids if p != peer_id]
         self.vector = vector.detach().to(torch.float32).contiguous()
         self.compression, self.block_size = check_codec(compression), check_block_size(block_size)
@@ -294,7 +298,7 @@ class RobustRound:
         try:
             if context.remote_id not in self.others:
                 raise ValueError("not a member of this group")
-            stream = aiter_with_timeout(stream, self.chunk_timeout)
+            stream = self._counted(aiter_with_timeout(stream, self.chunk_timeout))
             first = await anext(stream)
             header = MSGPackSerializer.loads(first.peer_id) if first.peer_id else None
             if first.group_id != self.group_id or not isinstance(header, dict):
@@ -307,12 +311,23 @@ class RobustRound:
                 self._receive_decision(sender, header)
             else:
                 raise ValueError(f"unknown message kind {header.get('kind')!r}")
-            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART)
+            yield self._count(averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART))
         except Exception as e:
             self.refused.setdefault(sender, f"{type(e).__name__}: {e}")
             self._arrival.set()
             logger.debug(f"refused a message of {sender}: {e}")
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            yield self._count(averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION))
+
+    def _count(self, message: averaging_pb2.AveragingData) -> averaging_pb2.AveragingData:
+        if self.on_bytes is not None:
+            self.on_bytes(message.ByteSize())
+        return message
+
+    async def _counted(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in stream:
+            yield self._count(message)
 
     async def _receive_gradient(
         self,
@@ -400,18 +415,20 @@ class RobustRound:
         self, peer: PeerID, header: Dict[str, Any], chunks: Sequence[runtime_pb2.Tensor], until: Optional[float] = None
     ) -> None:
         async def messages():
-            yield averaging_pb2.AveragingData(
-                code=averaging_pb2.PART_FOR_AVERAGING,
-                group_id=self.group_id,
-                peer_id=MSGPackSerializer.dumps(header),
-                tensor_part=chunks[0] if chunks else runtime_pb2.Tensor(),
+            yield self._count(
+                averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING,
+                    group_id=self.group_id,
+                    peer_id=MSGPackSerializer.dumps(header),
+                    tensor_part=chunks[0] if chunks else runtime_pb2.Tensor(),
+                )
             )
             for chunk in chunks[1:]:
-                yield averaging_pb2.AveragingData(tensor_part=chunk)
+                yield self._count(averaging_pb2.AveragingData(tensor_part=chunk))
 
         async def exchange():
             replies = await self.stub_for(peer).rpc_aggregate_part(messages())
-            reply = await anext(replies)
+            reply = self._count(await anext(replies))
             if reply.code != averaging_pb2.AVERAGED_PART:
                 raise ValueError(f"{peer} answered {averaging_pb2.MessageCode.Name(reply.code)}")
 

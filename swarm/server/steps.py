@@ -120,6 +120,7 @@ class StepCoordinator:
         self.samples_per_s: Optional[float] = None  # what the whole stage accumulates, from successive reads
         self._last_read: Optional[Tuple[float, int, int]] = None  # (monotonic time, accum step, stage's pending)
         self._asked_at = -math.inf  # when the stage-mates were last asked for their progress (monotonic)
+        self.allreduce_bytes = 0  # the averager's robust-round bytes (sent and received), as of its last round
 
     # ---- the view the policy decides on ----
 
@@ -366,6 +367,7 @@ class StepCoordinator:
                 self._silent.update(silent)
                 await self.apply(frozen.mean_grads, frozen.samples, [peer.peer_id], tentative=True)
             return  # otherwise the frozen step stays: the next poll retries, or resyncs if others moved on
+        self.allreduce_bytes = max(self.allreduce_bytes, result.wire_bytes)
         gathered = result.gathered
         steps = {data.get("step") for data in gathered.values() if isinstance(data, dict)}
         if steps != {frozen.step}:
