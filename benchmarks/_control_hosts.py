@@ -43,6 +43,7 @@ METRICS_PORT = 9400  # every host is its own namespace: the same port on each
 SCRAPE_OVERHEAD_BYTES = 700  # a scrape's request, HTTP headers and TCP handshake, beyond the body
 SEGMENT_HEADER_BYTES = 66  # Ethernet (14), IP (20) and TCP with timestamps (32) of one segment on a veth
 ALLREDUCE_HEADERS = 1.05  # wire bytes per encoded byte of bulk TCP: 66 B a 1448-byte segment, Noise and yamux
+ALLREDUCE_METRIC = "swarm_peer_allreduce_bytes_total"  # what the averager counted (a counter: exposed with _total)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
     per_peer = []
     for host, (before, _), (after, scrape_cost) in zip(peer_hosts, scraped, scraped_after):
         steps = after.get("swarm_global_step", 0.0) - before.get("swarm_global_step", 0.0)
-        counted = after.get("swarm_peer_allreduce_bytes", 0.0) - before.get("swarm_peer_allreduce_bytes", 0.0)
+        counted = after.get(ALLREDUCE_METRIC, 0.0) - before.get(ALLREDUCE_METRIC, 0.0)
         allreduce = ALLREDUCE_HEADERS * max(0.0, counted)
         moved = links_after[host] - links[host] - scrape_cost  # the first scrape ended before the window began
         control = p2pd[host] - allreduce if trainer_hosts else moved  # idle: the whole link is control
