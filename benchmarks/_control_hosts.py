@@ -16,8 +16,9 @@ role sent and received: libp2p's framing, Noise, yamux and TCP included. Two win
             whole gradient to every other member, about ``2 x (replicas - 1)`` gradients in and out a step),
             plus ``ALLREDUCE_HEADERS`` of TCP, Noise and yamux framing. The streams' opening (multistream
             negotiation, a few small segments each, 3 exchanges x 2 x (replicas - 1) streams a round) stays in
-            the control bytes. Connections that closed within the window are not counted;
-            ``link_bytes_per_s_per_peer`` and ``data_plane_bytes_per_s_per_peer`` show the whole.
+            the control bytes. Connections are listed every ``SAMPLE_PERIOD_S``, so one that opens and
+            closes within the window counts up to its last listing; ``link_bytes_per_s_per_peer`` shows the
+            link's whole count.
 
 The metrics scrapes that read the peers' steps cross the links too; their bytes are subtracted.
 """
@@ -41,8 +42,9 @@ __all__ = ["Layout", "measure_layout"]
 READY_TIMEOUT_S = 300.0
 METRICS_PORT = 9400  # every host is its own namespace: the same port on each
 SCRAPE_OVERHEAD_BYTES = 700  # a scrape's request, HTTP headers and TCP handshake, beyond the body
+SAMPLE_PERIOD_S = 2.0  # how often every host's connections are listed within a window
 SEGMENT_HEADER_BYTES = 66  # Ethernet (14), IP (20) and TCP with timestamps (32) of one segment on a veth
-ALLREDUCE_HEADERS = 1.05  # wire bytes per encoded byte of bulk TCP: 66 B a 1448-byte segment, Noise and yamux
+ALLREDUCE_HEADERS = 1.07  # wire bytes per encoded byte of bulk TCP: 66 B a 1448-byte segment, an ACK a 2 segments
 ALLREDUCE_METRIC = "swarm_peer_allreduce_bytes_total"  # what the averager counted (a counter: exposed with _total)
 
 
@@ -82,9 +84,11 @@ def _scrape(url: str) -> Tuple[Dict[str, float], int]:
     return _samples(body.decode()), len(body) + SCRAPE_OVERHEAD_BYTES
 
 
-def _connections(hosts: Hosts, host: int, ports: Set[int], direct: bool) -> Dict[Tuple[str, str], int]:
-    """Wire bytes so far of each of ``host``'s TCP connections to or from one of ``ports`` (``direct``), or of each
-    of the others."""
+Connection = Tuple[str, str, bool]  # local address, remote address, whether it is a direct channel
+
+
+def _connections(hosts: Hosts, host: int, ports: Set[int]) -> Dict[Connection, int]:
+    """Wire bytes so far of each of ``host``'s TCP connections, marked direct when to or from one of ``ports``."""
     listing = subprocess.run(["ip", "netns", "exec", hosts.namespaces[host], "ss", "-tinH"], capture_output=True,
                              text=True, timeout=10).stdout.splitlines()
     out: Dict[Tuple[str, str], int] = {}
@@ -96,17 +100,34 @@ def _connections(hosts: Hosts, host: int, ports: Set[int], direct: bool) -> Dict
             continue
         local, remote = columns[3], columns[4]
         on_port = int(local.rsplit(":", 1)[1]) in ports or int(remote.rsplit(":", 1)[1]) in ports
-        if on_port != direct:
-            continue
         fields = dict(re.findall(r"(bytes_sent|bytes_received|segs_out|segs_in):(\d+)", info))
         payload = int(fields.get("bytes_sent", 0)) + int(fields.get("bytes_received", 0))
         segments = int(fields.get("segs_out", 0)) + int(fields.get("segs_in", 0))
-        out[(local, remote)] = payload + SEGMENT_HEADER_BYTES * segments
+        out[(local, remote, on_port)] = payload + SEGMENT_HEADER_BYTES * segments
     return out
 
 
-def _moved(before: Dict[Tuple[str, str], int], after: Dict[Tuple[str, str], int]) -> int:
-    return sum(value - before.get(key, 0) for key, value in after.items())
+class _ConnectionLog:
+    """Every connection of some hosts over a window, sampled every ``SAMPLE_PERIOD_S``: a connection that closes
+    within the window still counts, up to its last sample (at most a period of its bytes is missed)."""
+
+    def __init__(self, hosts: Hosts, measured: Sequence[int], ports: Set[int]):
+        self.hosts, self.measured, self.ports = hosts, list(measured), ports
+        self.first = {host: _connections(hosts, host, ports) for host in self.measured}
+        self.last = {host: dict(seen) for host, seen in self.first.items()}
+
+    def sample(self) -> None:
+        for host in self.measured:
+            for key, value in _connections(self.hosts, host, self.ports).items():
+                self.first[host].setdefault(key, 0)  # opened within the window: all its bytes count
+                self.last[host][key] = value
+
+    def moved(self, host: int, direct: bool) -> int:
+        return sum(value - self.first[host][key] for key, value in self.last[host].items() if key[2] == direct)
+
+    def closed(self, host: int) -> int:
+        """Connections seen in the window that were gone at its end."""
+        return len(set(self.last[host]) - set(_connections(self.hosts, host, self.ports)))
 
 
 def _direct_port(role: RoleProcess) -> int:
@@ -187,18 +208,18 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
             window_s: float, phase: str, param_bytes_per_stage: int, ports: Set[int]) -> Dict[str, Any]:
     scraped = [_scrape(url) for url in urls]
     hosts_measured = [0, *peer_hosts, *trainer_hosts]
-    direct = {host: _connections(hosts, host, ports, True) for host in hosts_measured}
-    other = {host: _connections(hosts, host, ports, False) for host in hosts_measured}
+    log = _ConnectionLog(hosts, hosts_measured, ports)
     links = {host: _link_bytes(hosts, host) for host in hosts_measured}
     started = time.monotonic()
-    time.sleep(window_s)
+    while time.monotonic() < started + window_s:
+        time.sleep(max(0.0, min(SAMPLE_PERIOD_S, started + window_s - time.monotonic())))
+        log.sample()
     elapsed = time.monotonic() - started
     links_after = {host: _link_bytes(hosts, host) for host in hosts_measured}
-    direct_after = {host: _connections(hosts, host, ports, True) for host in hosts_measured}
-    other_after = {host: _connections(hosts, host, ports, False) for host in hosts_measured}
     scraped_after = [_scrape(url) for url in urls]
-    data = {host: _moved(direct[host], direct_after[host]) for host in hosts_measured}
-    p2pd = {host: _moved(other[host], other_after[host]) for host in hosts_measured}
+    closed = sum(log.closed(host) for host in hosts_measured)
+    data = {host: log.moved(host, True) for host in hosts_measured}
+    p2pd = {host: log.moved(host, False) for host in hosts_measured}
     per_peer = []
     for host, (before, _), (after, scrape_cost) in zip(peer_hosts, scraped, scraped_after):
         steps = after.get("swarm_global_step", 0.0) - before.get("swarm_global_step", 0.0)
@@ -220,6 +241,7 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         "bytes_per_s_per_trainer": round(sum(per_trainer) / len(per_trainer), 1) if per_trainer else None,
         "bootstrap_bytes_per_s": round((links_after[0] - links[0]) / elapsed, 1),
         "global_steps": max((p["steps"] for p in per_peer), default=0),
+        "connections_closed": closed,
         # what the averagers counted a step, against one stage's float32 gradient (a robust round moves about
         # 2 x (replicas - 1) of them in and out, less the compression and for members with no samples)
         "allreduce_bytes_per_step_per_peer": round(sum(p["allreduce_counted"] for p in per_peer)
