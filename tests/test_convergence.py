@@ -88,6 +88,8 @@ def bpe(tmp_path_factory) -> RunTokenizer:
 def make_case(name: str, bpe: RunTokenizer) -> Case:
     if name in ("gpt", "gpt_int8"):
         return Case(name, MODEL, [] if name == "gpt" else ["--compression", "int8"], MIN_FALL)
+    if name == "gpt_topk":  # the stage all-reduce sends the 16 largest of every 256 gradient values
+        return Case(name, MODEL, ["--gradient_compression", "topk"], MIN_FALL)
     # Llama blocks, a BPE tokenizer, and activations, their gradients and the stage all-reduce in int8
     model = dataclasses.replace(MODEL, architecture="llama", num_kv_heads=1, vocab_size=bpe.vocab_size)
     return Case(name, model, [*LLAMA_ARGS, "--vocab_size", str(bpe.vocab_size), "--tokenizer_sha256", bpe.sha256,
@@ -148,7 +150,7 @@ def baseline_corpus(case: Case, bpe: RunTokenizer) -> Union[Corpus, TokenizedCor
 
 # a live swarm of six roles: on a 2-core machine that other jobs share it can outlast the suite's 300 s bound
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "llama_bpe_int8"])
+@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "gpt_topk", "llama_bpe_int8"])
 @pytest.mark.long
 async def test_swarm_trains_and_ends_near_single_process(launcher, probe, bpe, name):
     case = make_case(name, bpe)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 from swarm.net.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from swarm.net.topk import GRADIENT_CODECS, check_topk
 from swarm.model.devices import parse_device
 from swarm.model.gpt import ModelConfig
 from swarm.training.optimizer import OptimizerConfig
@@ -56,6 +57,17 @@ class RunConfig:
     defences: bool = True  # Byzantine defences (robust averaging, state checks, per-micro-batch clipping, verification); off only to measure them
     compression: str = "none"  # how activations, their gradients and the stage all-reduce travel: none (exact), fp16 or int8 (lossy, 2x and ~4x fewer bytes)
     compression_block_size: int = 256  # values per int8 block, each with its own scale (64-4096): smaller is more precise, larger sends fewer scales
+    gradient_compression: str = field(
+        default="",
+        metadata={
+            "help": (
+                "how the stage all-reduce sends gradients: empty = as `compression`; none, fp16, int8, or topk (the "
+                "gradient_topk largest of every 256 values in int8, the rest sent later by error feedback: 28x fewer "
+                "bytes than float32 at 16; needs defences on)"
+            )
+        },
+    )
+    gradient_topk: int = 16  # values kept of every 256 with gradient_compression topk (1-128)
     tokenizer_sha256: str = ""  # SHA-256 of the run's tokenizer.json (64 hex characters; `swarm tokenizer` prints it); "" = byte tokens (vocab_size 256)
     init_config_sha256: str = field(
         default="",
@@ -142,6 +154,25 @@ class RunConfig:
             raise ValueError(
                 f"compression_block_size must be an integer in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}"
             )
+        if self.gradient_compression not in ("", *GRADIENT_CODECS):
+            raise ValueError(
+                f"gradient_compression must be empty (as compression) or one of {list(GRADIENT_CODECS)}, "
+                f"got {self.gradient_compression!r}"
+            )
+        try:
+            check_topk(self.gradient_topk)
+        except ValueError as e:
+            raise ValueError(f"gradient_topk: {e}") from None
+        if self.gradient_codec == "topk" and not self.defences:
+            raise ValueError(
+                "gradient_compression topk needs defences on: only the robust all-reduce, in which every member "
+                "decodes each gradient whole, carries sparse gradients (hivemind's butterfly sums their parts)"
+            )
+
+    @property
+    def gradient_codec(self) -> str:
+        """How the stage all-reduce sends gradients: ``gradient_compression``, or ``compression`` when empty."""
+        return self.gradient_compression or self.compression
 
 
 @dataclass

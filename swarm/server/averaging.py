@@ -56,11 +56,11 @@ from swarm.net.compression import (
     Compressed,
     CompressionError,
     check_block_size,
-    check_codec,
     compress,
     decompress,
 )
-from swarm.policy.aggregation import Aggregate, AggregationConfig
+from swarm.net.topk import DEFAULT_TOPK, GRADIENT_CODECS, ErrorFeedback, check_topk
+from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 from swarm.server.state_sharing import StateSharingAverager
 
@@ -233,10 +233,20 @@ class StageAverager(StateSharingAverager):
         max_samples: Optional[float] = None,
         compression: str = "none",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        topk: int = DEFAULT_TOPK,
         **kwargs: Any,
     ):
         self._state_fn = state_fn
-        self._compression, self._block_size = check_codec(compression), check_block_size(block_size)
+        if compression not in GRADIENT_CODECS:
+            raise ValueError(f"gradients travel in one of {list(GRADIENT_CODECS)}, got {compression!r}")
+        if compression == "topk" and aggregation is None:
+            raise ValueError(
+                "top-k gradients need the robust all-reduce (defences on): hivemind's butterfly all-reduce sums "
+                "parts of each gradient and cannot carry a sparse one"
+            )
+        self._compression, self._block_size, self._topk = compression, check_block_size(block_size), check_topk(topk)
+        # what top-k left out of this replica's gradients, sent with its next one (kept in the averager's process)
+        self._feedback = ErrorFeedback() if compression == "topk" else None
         if aggregation is None and compression != "none":
             kwargs["compression"] = butterfly_compression(compression, block_size)
         self._allowlist = Allowlist.of(allowlist)
@@ -501,13 +511,16 @@ class StageAverager(StateSharingAverager):
         now = time.monotonic()
         self._banned = {peer: until for peer, until in self._banned.items() if until > now}
         vector = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
+        samples = float(kwargs.get("weight") or 0.0)
+        feedback = self._feedback if self._feedback is not None and not adds_nothing(samples) else None
+        prepared = feedback.prepare(vector) if feedback is not None else vector
         round_ = RobustRound(
             stub_for=lambda peer: self.get_stub(self.background_p2p, peer, namespace=self.prefix),
             group_id=group_id,
             peer_ids=group_info.peer_ids,
             peer_id=self.peer_id,
-            vector=vector,
-            samples=float(kwargs.get("weight") or 0.0),
+            vector=prepared,
+            samples=samples,
             key=self._signing_key,
             config=self._aggregation,
             banned=set(self._banned),
@@ -517,6 +530,7 @@ class StageAverager(StateSharingAverager):
             send_override=self.send_override(),
             compression=self._compression,
             block_size=self._block_size,
+            topk=self._topk,
             on_bytes=self._count_wire_bytes,
         )
         self.running_groups[group_id].set_result(round_)
@@ -527,6 +541,8 @@ class StageAverager(StateSharingAverager):
             return  # no outcome recorded: _aggregate_with_group fails the round, and the tensors stay as they were
         for peer in outcome.banned:
             self._banned[peer] = time.monotonic() + self._ban_s
+        if feedback is not None and round_.contribution is not None and str(self.peer_id) in outcome.included:
+            feedback.settle(prepared, round_.contribution)  # what went in; the rest waits for the next round
         if outcome.vector is None:
             raise MatchmakingException("robust averaging had no usable contribution")
         offset = 0

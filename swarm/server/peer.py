@@ -261,8 +261,9 @@ class StagePeer:
             signing_key=identity_of(self.dht).private_key,
             max_samples=float(self.run.target_batch_size),
             ban_s=BAN_S,
-            compression=self.run.compression,
+            compression=self.run.gradient_codec,
             block_size=self.run.compression_block_size,
+            topk=self.run.gradient_topk,
         )
 
     def snapshot(self) -> PeerSnapshot:
