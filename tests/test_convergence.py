@@ -14,7 +14,7 @@ was, in 8 runs of each GPT swarm and 6 of the Llama one:
   GPT int8:         -0.26% to +0.58% (+0.11, +0.14, +0.19, +0.37, +0.43, +0.43, +0.58, -0.26; earlier, +0.51%);
   Llama BPE int8:   +0.81% to +1.27% (+0.81, +0.81, +0.90, +0.97, +1.19, +1.27).
 Every GPT swarm's loss fell by 1.60 to 1.84 nats from 5.53 (each baseline's by 1.63 to 1.86); the Llama swarm's
-by 0.80 to 0.85 nats from 6.23 (its baseline's by 0.86 to 0.90). MAX_EXCESS is 2.7 times the largest GPT excess
+by 0.80 to 0.85 nats from 6.23 (its baseline's by 0.86 to 0.90). ``max_excess`` (5%) is 2.7 times the largest GPT excess
 seen (3.9 times the Llama's), MIN_FALL under two thirds of the smallest GPT fall and LLAMA_MIN_FALL under two
 thirds of the smallest Llama fall. In one run of the 16 GPT runs a stage held a re-sent micro-batch twice (8
 samples), which the bound on samples allows.
@@ -47,7 +47,7 @@ TARGET, PER_TRAINER, BATCH, LR = 64, 640, 8, 0.003
 TOKENIZER_VOCAB, TOKENIZER_TEXT_BYTES, DATA_BYTES = 512, 2**20, 2 * 2**20
 MIN_FALL = 1.0  # nats of validation loss a byte-level swarm must shed from its initial value
 LLAMA_MIN_FALL = 0.5  # the same for the Llama swarm on BPE tokens
-MAX_EXCESS = 0.05  # relative excess of a swarm's validation loss over its single-process baseline
+MAX_TERNARY_EXCESS = 0.09  # the same with ternary gradients, which cost a few percent in these 17-20 steps
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ class Case:
     run_args: Sequence[str]  # for every role
     min_fall: float  # nats of validation loss the swarm and its baseline must shed from their initial value
     trainer_args: Sequence[str] = ()
+    max_excess: float = 0.05  # relative excess of the swarm's validation loss over its single-process baseline
 
 
 @dataclass
@@ -88,8 +89,8 @@ def bpe(tmp_path_factory) -> RunTokenizer:
 def make_case(name: str, bpe: RunTokenizer) -> Case:
     if name in ("gpt", "gpt_int8"):
         return Case(name, MODEL, [] if name == "gpt" else ["--compression", "int8"], MIN_FALL)
-    if name == "gpt_topk":  # the stage all-reduce sends the 16 largest of every 256 gradient values
-        return Case(name, MODEL, ["--gradient_compression", "topk"], MIN_FALL)
+    if name == "gpt_ternary":  # the stage all-reduce sends every gradient value as 0 or ±its block's scale
+        return Case(name, MODEL, ["--gradient_compression", "ternary"], MIN_FALL, max_excess=MAX_TERNARY_EXCESS)
     # Llama blocks, a BPE tokenizer, and activations, their gradients and the stage all-reduce in int8
     model = dataclasses.replace(MODEL, architecture="llama", num_kv_heads=1, vocab_size=bpe.vocab_size)
     return Case(name, model, [*LLAMA_ARGS, "--vocab_size", str(bpe.vocab_size), "--tokenizer_sha256", bpe.sha256,
@@ -150,7 +151,7 @@ def baseline_corpus(case: Case, bpe: RunTokenizer) -> Union[Corpus, TokenizedCor
 
 # a live swarm of six roles: on a 2-core machine that other jobs share it can outlast the suite's 300 s bound
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "gpt_topk", "llama_bpe_int8"])
+@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "gpt_ternary", "llama_bpe_int8"])
 @pytest.mark.long
 async def test_swarm_trains_and_ends_near_single_process(launcher, probe, bpe, name):
     case = make_case(name, bpe)
@@ -183,4 +184,4 @@ async def test_swarm_trains_and_ends_near_single_process(launcher, probe, bpe, n
     assert held <= swarm.sent + swarm.repeatable, "samples counted twice without a re-send"
     assert initial - local_loss > case.min_fall, "the baseline must learn something for the comparison to mean anything"
     assert initial - swarm_loss > case.min_fall, f"the swarm did not train: {initial:.4f} -> {swarm_loss:.4f}"
-    assert abs(excess) <= MAX_EXCESS, f"{excess:+.2%} from single-process training"
+    assert abs(excess) <= case.max_excess, f"{excess:+.2%} from single-process training"

@@ -13,7 +13,7 @@ from hivemind.p2p import PeerID
 from hivemind.utils import MSGPackSerializer
 
 from swarm.dht.identity import load_or_create_identity
-from swarm.net.topk import topk_bytes
+from swarm.net.ternary import ternary_bytes
 from swarm.policy.aggregation import AggregationConfig
 from swarm.server.robust_allreduce import (IncompleteRound, RobustRound, decision_is_confirmed, inputs_digest,
                                            sign_commitment)
@@ -169,7 +169,7 @@ async def test_a_round_without_late_messages_is_applied_by_everyone_alike(member
     assert all(vector is not None for vector in applied) and _distinct(applied) == 1
 
 
-@pytest.mark.parametrize("compression", ["none", "int8", "topk"])
+@pytest.mark.parametrize("compression", ["none", "int8", "ternary"])
 async def test_a_round_counts_every_byte_it_sends_and_receives(members, compression):
     """What each member reports through ``on_bytes`` is what the transport carried to and from it (messages and
     replies); each member sends its whole gradient to every other member, so that is at least 2 x (n - 1)
@@ -180,7 +180,7 @@ async def test_a_round_counts_every_byte_it_sends_and_receives(members, compress
     assert all(vector is not None for vector in applied)
     await asyncio.sleep(0.1)  # the last replies of sends still in flight when the rounds returned
     assert counted == network.moved
-    gradient = {"none": 4 * SIZE, "int8": SIZE, "topk": topk_bytes(SIZE, 16)}[compression]
+    gradient = {"none": 4 * SIZE, "int8": SIZE, "ternary": ternary_bytes(SIZE)}[compression]
     assert all(size >= 2 * (len(members) - 1) * gradient for size in counted.values())
 
 
@@ -205,7 +205,7 @@ def test_the_inputs_digest_covers_senders_hashes_and_claimed_samples(members):
     assert digest != inputs_digest({str(p): one, str(q): sign_commitment(other_key, b"g", str(q), 15.0, SIZE, "1" * 64)})
 
 
-@pytest.mark.parametrize("compression", ["none", "int8", "topk"])
+@pytest.mark.parametrize("compression", ["none", "int8", "ternary"])
 async def test_a_member_with_no_samples_sends_no_values_and_applies_what_the_others_apply(members, compression):
     """D had no samples this step (weight 0): it uploads no gradient values, yet every member, D included,
     applies the very result that A, B and C reach in a round of their own."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
 from swarm.net.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
-from swarm.net.topk import GRADIENT_CODECS, check_topk
+from swarm.net.ternary import GRADIENT_CODECS
 from swarm.model.devices import parse_device
 from swarm.model.gpt import ModelConfig
 from swarm.training.optimizer import OptimizerConfig
@@ -61,13 +61,12 @@ class RunConfig:
         default="",
         metadata={
             "help": (
-                "how the stage all-reduce sends gradients: empty = as `compression`; none, fp16, int8, or topk (the "
-                "gradient_topk largest of every 256 values in int8, the rest sent later by error feedback: 28x fewer "
-                "bytes than float32 at 16; needs defences on)"
+                "how the stage all-reduce sends gradients: empty = as `compression`; none, fp16, int8, or ternary "
+                "(each value as 0 or ±the scale of its block of 64, what that misses sent later by error feedback: "
+                "17x fewer bytes than float32; needs defences on)"
             )
         },
     )
-    gradient_topk: int = 16  # values kept of every 256 with gradient_compression topk (1-128)
     tokenizer_sha256: str = ""  # SHA-256 of the run's tokenizer.json (64 hex characters; `swarm tokenizer` prints it); "" = byte tokens (vocab_size 256)
     init_config_sha256: str = field(
         default="",
@@ -159,14 +158,10 @@ class RunConfig:
                 f"gradient_compression must be empty (as compression) or one of {list(GRADIENT_CODECS)}, "
                 f"got {self.gradient_compression!r}"
             )
-        try:
-            check_topk(self.gradient_topk)
-        except ValueError as e:
-            raise ValueError(f"gradient_topk: {e}") from None
-        if self.gradient_codec == "topk" and not self.defences:
+        if self.gradient_codec == "ternary" and not self.defences:
             raise ValueError(
-                "gradient_compression topk needs defences on: only the robust all-reduce, in which every member "
-                "decodes each gradient whole, carries sparse gradients (hivemind's butterfly sums their parts)"
+                "gradient_compression ternary needs defences on: only the robust all-reduce, in which every member "
+                "decodes each gradient whole, carries ternary gradients (hivemind's butterfly sums their parts)"
             )
 
     @property

@@ -59,7 +59,7 @@ from swarm.net.compression import (
     compress,
     decompress,
 )
-from swarm.net.topk import DEFAULT_TOPK, GRADIENT_CODECS, ErrorFeedback, check_topk
+from swarm.net.ternary import GRADIENT_CODECS, ErrorFeedback
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 from swarm.server.state_sharing import StateSharingAverager
@@ -233,20 +233,19 @@ class StageAverager(StateSharingAverager):
         max_samples: Optional[float] = None,
         compression: str = "none",
         block_size: int = DEFAULT_BLOCK_SIZE,
-        topk: int = DEFAULT_TOPK,
         **kwargs: Any,
     ):
         self._state_fn = state_fn
         if compression not in GRADIENT_CODECS:
             raise ValueError(f"gradients travel in one of {list(GRADIENT_CODECS)}, got {compression!r}")
-        if compression == "topk" and aggregation is None:
+        if compression == "ternary" and aggregation is None:
             raise ValueError(
-                "top-k gradients need the robust all-reduce (defences on): hivemind's butterfly all-reduce sums "
-                "parts of each gradient and cannot carry a sparse one"
+                "ternary gradients need the robust all-reduce (defences on): hivemind's butterfly all-reduce sums "
+                "parts of gradients, and a sum of ternary parts is no longer ternary"
             )
-        self._compression, self._block_size, self._topk = compression, check_block_size(block_size), check_topk(topk)
-        # what top-k left out of this replica's gradients, sent with its next one (kept in the averager's process)
-        self._feedback = ErrorFeedback() if compression == "topk" else None
+        self._compression, self._block_size = compression, check_block_size(block_size)
+        # what the ternary encoding missed of this replica's gradients, sent with its next one (averager's process)
+        self._feedback = ErrorFeedback() if compression == "ternary" else None
         if aggregation is None and compression != "none":
             kwargs["compression"] = butterfly_compression(compression, block_size)
         self._allowlist = Allowlist.of(allowlist)
@@ -530,7 +529,6 @@ class StageAverager(StateSharingAverager):
             send_override=self.send_override(),
             compression=self._compression,
             block_size=self._block_size,
-            topk=self._topk,
             on_bytes=self._count_wire_bytes,
         )
         self.running_groups[group_id].set_result(round_)

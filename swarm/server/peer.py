@@ -263,7 +263,6 @@ class StagePeer:
             ban_s=BAN_S,
             compression=self.run.gradient_codec,
             block_size=self.run.compression_block_size,
-            topk=self.run.gradient_topk,
         )
 
     def snapshot(self) -> PeerSnapshot:

@@ -69,7 +69,7 @@ from swarm.net.compression import (
     num_blocks,
 )
 from swarm.dht.identity import peer_id_of
-from swarm.net.topk import DEFAULT_TOPK, GRADIENT_CODECS, check_topk, decode_topk, encode_topk, topk_bytes
+from swarm.net.ternary import GRADIENT_CODECS, decode_ternary, encode_ternary, ternary_bytes
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing, equivocators, robust_aggregate
 
 __all__ = [
@@ -188,48 +188,36 @@ def _chunks(flat: torch.Tensor, chunk: int) -> List[runtime_pb2.Tensor]:
     return [serialize_torch_tensor(flat[i : i + chunk]) for i in range(0, flat.numel(), chunk)]
 
 
-def _reading(codec: str, block_size: int, topk: int) -> int:
-    """The number that says how a codec's bytes are read, which their hash binds: top-k's values kept per block,
-    the others' block size."""
-    return topk if codec == "topk" else block_size
-
-
-def pack(
-    vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE, topk: int = DEFAULT_TOPK
-) -> Packed:
+def pack(vector: torch.Tensor, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
     """``vector`` (float32) ready to send: float32 chunks, or with ``codec`` the compressed bytes as uint8
-    chunks (``topk``: values kept per block of :data:`~swarm.net.topk.TOPK_BLOCK`, with codec ``"topk"``).
-    Raises :class:`~swarm.net.compression.CompressionError` for values that cannot be compressed."""
+    chunks. Raises :class:`~swarm.net.compression.CompressionError` for values that cannot be compressed."""
     if codec == "none":
         return Packed(_chunks(vector, CHUNK_ELEMENTS), vector_hash(vector), vector)
-    if codec == "topk":
-        data = encode_topk(vector, topk).data
+    if codec == "ternary":
+        data = encode_ternary(vector)
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        decoded = decode_topk(data, vector.numel(), topk)
-        return Packed(_chunks(raw, CHUNK_BYTES), compressed_hash(codec, topk, data), decoded)
+        decoded = decode_ternary(data, vector.numel())
+        return Packed(_chunks(raw, CHUNK_BYTES), compressed_hash(codec, block_size, data), decoded)
     compressed = compress(vector, codec, block_size)
     data = compressed.data + compressed.scales
     raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     return Packed(_chunks(raw, CHUNK_BYTES), compressed_hash(codec, block_size, data), decompress(compressed))
 
 
-def empty_contribution(
-    size: int, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE, topk: int = DEFAULT_TOPK
-) -> Packed:
+def empty_contribution(size: int, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> Packed:
     """What a member with no samples sends: no values at all, hashed as an empty payload of the round's codec.
     Its weight is 0 (:func:`~swarm.policy.aggregation.adds_nothing`), so its values would never count; every
     member, the sender included, aggregates zeros in their place."""
-    empty = compressed_hash(codec, _reading(codec, block_size, topk), b"")
-    sha256 = vector_hash(torch.empty(0)) if codec == "none" else empty
+    sha256 = vector_hash(torch.empty(0)) if codec == "none" else compressed_hash(codec, block_size, b"")
     return Packed([], sha256, torch.zeros(size))
 
 
-def _wire_length(size: int, codec: str, block_size: int, topk: int = DEFAULT_TOPK) -> int:
+def _wire_length(size: int, codec: str, block_size: int) -> int:
     """Elements a gradient of ``size`` values takes on the stream: float32 values, or compressed bytes."""
     if codec == "none":
         return size
-    if codec == "topk":
-        return topk_bytes(size, topk)
+    if codec == "ternary":
+        return ternary_bytes(size)
     if codec == "fp16":
         return 2 * size
     return size + 4 * num_blocks(size, block_size)
@@ -241,7 +229,6 @@ def unpack(
     sha256: str,
     codec: str = "none",
     block_size: int = DEFAULT_BLOCK_SIZE,
-    topk: int = DEFAULT_TOPK,
 ) -> torch.Tensor:
     """The float32 values of a received gradient, from the chunks :func:`pack` made, once their bytes match
     the signed ``sha256``; ``ValueError`` (:class:`~swarm.net.compression.CompressionError` included) otherwise."""
@@ -251,10 +238,10 @@ def unpack(
             raise ValueError("gradient does not match its signed hash")
         return vector
     data = b"".join(part.numpy().tobytes() for part in parts)
-    if compressed_hash(codec, _reading(codec, block_size, topk), data) != sha256:
+    if compressed_hash(codec, block_size, data) != sha256:
         raise ValueError("gradient does not match its signed hash")
-    if codec == "topk":
-        return decode_topk(data, size, topk)
+    if codec == "ternary":
+        return decode_ternary(data, size)
     values = size * (2 if codec == "fp16" else 1)
     return decompress(Compressed(codec, (size,), block_size, data[:values], data[values:]))
 
@@ -262,8 +249,8 @@ def unpack(
 class RobustRound:
     """The state of one round at one member: what it sent, received, and decided.
 
-    ``compression`` (one of :data:`swarm.net.topk.GRADIENT_CODECS`, the same for the whole group), ``block_size``
-    and ``topk`` (values kept per block, for ``"topk"``) say how gradients travel. ``send_override`` lets an emulated attacker send another
+    ``compression`` (one of :data:`swarm.net.ternary.GRADIENT_CODECS`, the same for the whole group) and
+    ``block_size`` (of int8) say how gradients travel. ``send_override`` lets an emulated attacker send another
     vector to some members (tests and benchmarks). ``on_bytes`` is told the encoded size of every message the
     member sends or receives, replies included, also after :meth:`run` returned (sends still in flight): what
     the round puts on the wire before libp2p's framing."""
@@ -286,7 +273,6 @@ class RobustRound:
         send_override: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
         compression: str = "none",
         block_size: int = DEFAULT_BLOCK_SIZE,
-        topk: int = DEFAULT_TOPK,
         on_bytes: Optional[Callable[[int], None]] = None,
     ):
         self.stub_for, self.group_id, self.peer_id = stub_for, group_id, peer_id
@@ -295,7 +281,7 @@ class RobustRound:
         self.vector = vector.detach().to(torch.float32).contiguous()
         if compression not in GRADIENT_CODECS:
             raise ValueError(f"a gradient travels in one of {list(GRADIENT_CODECS)}, got {compression!r}")
-        self.compression, self.block_size, self.topk = compression, check_block_size(block_size), check_topk(topk)
+        self.compression, self.block_size = compression, check_block_size(block_size)
         self.contribution: Optional[torch.Tensor] = None  # what this member aggregates of its own: what it sent
         self.samples, self.key, self.config, self.banned = samples, key, config, banned
         self.timeout, self.chunk_timeout = timeout, chunk_timeout
@@ -374,7 +360,7 @@ class RobustRound:
             self._receive_empty(sender, commitment, first)
             return
         dtype = torch.float32 if self.compression == "none" else torch.uint8
-        length = _wire_length(self.size, self.compression, self.block_size, self.topk)
+        length = _wire_length(self.size, self.compression, self.block_size)
         parts, count, message = [], 0, first
         while True:
             part = deserialize_torch_tensor(message.tensor_part)
@@ -387,7 +373,7 @@ class RobustRound:
             message = await anext(stream)
         if count != length:
             raise ValueError(f"sent {count} elements, a gradient of the round takes {length}")
-        vector = unpack(parts, self.size, commitment.sha256, self.compression, self.block_size, self.topk)
+        vector = unpack(parts, self.size, commitment.sha256, self.compression, self.block_size)
         self.received[sender], self.commitments[sender] = vector, commitment
         self._check_done()
 
@@ -395,7 +381,7 @@ class RobustRound:
         """A groupmate that claims no samples: it must send no values, and sign the hash of none."""
         if first.tensor_part.buffer:
             raise ValueError(f"claimed {commitment.samples:g} samples but sent values")
-        expected = empty_contribution(0, self.compression, self.block_size, self.topk).sha256
+        expected = empty_contribution(0, self.compression, self.block_size).sha256
         if commitment.sha256 != expected:
             raise ValueError(f"claimed {commitment.samples:g} samples but signed the hash of values")
         self.received[sender], self.commitments[sender] = torch.zeros(self.size), commitment
@@ -474,9 +460,9 @@ class RobustRound:
         loop = asyncio.get_running_loop()
         try:
             packed = (
-                empty_contribution(self.size, self.compression, self.block_size, self.topk)
+                empty_contribution(self.size, self.compression, self.block_size)
                 if empty
-                else await loop.run_in_executor(None, pack, vector, self.compression, self.block_size, self.topk)
+                else await loop.run_in_executor(None, pack, vector, self.compression, self.block_size)
             )
         except CompressionError as e:
             raise IncompleteRound(f"this member's gradient cannot be sent in {self.compression}: {e}") from None
