@@ -43,6 +43,7 @@ WHAT = {
     "containers": "the Docker image and the compose swarm: build, start, train, tear down",
     "control_plane": "control-plane bytes per peer, trainer and bootstrap, counted at network-namespace links and modelled",
     "step_traffic": "DHT keys each training stage peer stores and reads per second, at short and long steps",
+    "compression": "bytes per sample of activations and of the all-reduce, and loss at equal samples, per codec",
     "simulate": "the 1,000-peer simulation and the SWARM paper's rebalancing experiment",
     "gpu": "a Llama-class stage's training throughput and MFU, a 2-stage swarm against one process on one GPU, "
            "and each stage's peak memory against its estimate",

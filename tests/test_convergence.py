@@ -2,8 +2,8 @@
 applied global step or in the step still open (none lost; one counted twice only where its micro-batch was
 re-sent or failed half-way), the validation loss falls clearly below where it started, and it ends near where
 single-process training of the same model from the same initialisation ends after as many samples in as many
-steps. Three swarms: the byte-level GPT; the same with activations, their gradients and the stage all-reduce
-compressed to int8; and a Llama (RMSNorm, rotary positions, SwiGLU, one key/value head for two query heads) on
+steps. Four swarms: the byte-level GPT; the same with activations, their gradients and the stage all-reduce
+compressed to int8; the same with ternary gradients in the all-reduce (17x fewer bytes than float32); and a Llama (RMSNorm, rotary positions, SwiGLU, one key/value head for two query heads) on
 the tokens of a byte-level BPE tokenizer of 512 tokens trained here, in int8.
 
 The bounds are set from measured run-to-run noise. How close a swarm comes to one process is a benchmark's
@@ -12,12 +12,14 @@ other jobs (load average 10 to 28), the excess of the swarm's validation loss ov
 was, in 8 runs of each GPT swarm and 6 of the Llama one:
   GPT uncompressed: -0.19% to +0.74% (+0.06, +0.13, +0.20, +0.21, +0.32, +0.67, +0.74, -0.19; earlier, +1.87%);
   GPT int8:         -0.26% to +0.58% (+0.11, +0.14, +0.19, +0.37, +0.43, +0.43, +0.58, -0.26; earlier, +0.51%);
-  Llama BPE int8:   +0.81% to +1.27% (+0.81, +0.81, +0.90, +0.97, +1.19, +1.27).
+  Llama BPE int8:   +0.81% to +1.27% (+0.81, +0.81, +0.90, +0.97, +1.19, +1.27);
+  GPT ternary:      +4.03% to +4.35% (+4.03, +4.35, +4.21; 3 runs), the cost of the codec in 16-17 steps
+                    (``benchmarks/compression.py`` measures it at more steps and seeds).
 Every GPT swarm's loss fell by 1.60 to 1.84 nats from 5.53 (each baseline's by 1.63 to 1.86); the Llama swarm's
 by 0.80 to 0.85 nats from 6.23 (its baseline's by 0.86 to 0.90). ``max_excess`` (5%) is 2.7 times the largest GPT excess
 seen (3.9 times the Llama's), MIN_FALL under two thirds of the smallest GPT fall and LLAMA_MIN_FALL under two
 thirds of the smallest Llama fall. In one run of the 16 GPT runs a stage held a re-sent micro-batch twice (8
-samples), which the bound on samples allows.
+samples), which the bound on samples allows. MAX_TERNARY_EXCESS is 2.1 times the largest ternary excess.
 """
 
 from __future__ import annotations
