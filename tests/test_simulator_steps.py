@@ -102,3 +102,15 @@ def test_experiment_reports_steps_and_config_is_validated():
         StepSimConfig(target_batch_size=0)
     with pytest.raises(ValueError, match="poll_period_s"):
         StepSimConfig(poll_period_s=-1.0)
+
+
+def test_an_honest_swarm_under_churn_distrusts_only_replicas_that_are_gone():
+    """Replicas crash (their records keep their last claims until they expire) and new ones join: the stage
+    stops believing the claims of the crashed ones, which the report counts apart, and never distrusts a
+    replica that is still online."""
+    config = dataclasses.replace(_steady(num_peers=8), mean_lifetime_h=0.25, crash_fraction=1.0,
+                                 join_rate_per_h=32.0)
+    summary = _run(config).result.steps.summary()
+    assert summary["global_steps"] > 0
+    assert summary["distrusted_departed"] >= 1
+    assert summary["distrusted"] == 0

@@ -137,7 +137,8 @@ class StepReport:
     replica_s: float = 0.0  # replica-seconds online in all stages
     steps_alone: int = 0  # steps a replica applied without a group
     resyncs: int = 0  # state downloads by replicas found out of sync
-    distrusted: int = 0  # times a replica's claims started being ignored
+    distrusted: int = 0  # times the claims of a replica still online started being ignored
+    distrusted_departed: int = 0  # the same for replicas already gone (crashed or left), whose claims outlived them
     restored: int = 0  # replicas that joined a stage every replica had left (restart from its last state)
 
     def summary(self) -> dict:
@@ -168,6 +169,7 @@ class StepReport:
             "steps_alone": self.steps_alone,
             "resyncs": self.resyncs,
             "distrusted": self.distrusted,
+            "distrusted_departed": self.distrusted_departed,
             "stages_restored": self.restored,
         }
 
@@ -522,7 +524,11 @@ class StepSim:
                 strikes = stage.strikes[peer_id] = stage.strikes.get(peer_id, 0) + 1
             until = self.now + distrust_seconds(strikes, limit=self.config.distrust_s)
             if stage.distrusted.get(peer_id, -math.inf) <= self.now:
-                self.report.distrusted += 1
+                replica = stage.replicas.get(peer_id)
+                if replica is not None and replica.alive:
+                    self.report.distrusted += 1
+                else:
+                    self.report.distrusted_departed += 1
             stage.distrusted[peer_id] = max(stage.distrusted.get(peer_id, -math.inf), until)
 
     def _apply(self, stage: _Stage, members: List[str]) -> None:
