@@ -121,10 +121,14 @@ async def test_a_full_group_averages_at_once_instead_of_waiting_out_the_matchmak
 
 
 def test_a_full_group_is_no_smaller_than_the_smallest_allowed():
-    averager = StageAverager.__new__(StageAverager)  # the argument check runs before anything is sent
+    """What ``StageAverager.average`` checks before anything is sent."""
+    from swarm.server.averaging import check_group_sizes
     with pytest.raises(ValueError, match="below min_group_size"):
-        asyncio.run(averager.average(0, [], 1, {}, matchmaking_timeout=1.0, timeout=1.0, min_group_size=3,
-                                     full_group_size=2))
+        check_group_sizes(3, 2)
+    with pytest.raises(ValueError, match="at least 2 members"):
+        check_group_sizes(1, None)
+    check_group_sizes(2, None)
+    check_group_sizes(3, 3)
 
 
 async def test_a_nan_replica_is_dropped_and_banned_and_the_others_agree(group_factory):

@@ -71,6 +71,7 @@ __all__ = [
     "await_round",
     "BlockwiseInt8",
     "butterfly_compression",
+    "check_group_sizes",
     "step_group_bits",
     "ReportedRoundFailures",
 ]
@@ -93,6 +94,14 @@ class RoundResult:
         self.banned: Dict[str, str] = dict(outcome["banned"]) if outcome else {}
         self.tau: float = float(outcome["tau"]) if outcome else 0.0
         self.wire_bytes: int = int(outcome.get("wire_bytes", 0)) if outcome else 0  # the averager's total so far
+
+
+def check_group_sizes(min_group_size: int, full_group_size: Optional[int]) -> None:
+    """Raise ValueError unless a round may average with ``min_group_size`` members and start at ``full_group_size``."""
+    if min_group_size < 2:
+        raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
+    if full_group_size is not None and full_group_size < min_group_size:
+        raise ValueError(f"full_group_size ({full_group_size}) is below min_group_size ({min_group_size})")
 
 
 def step_group_bits(step: int) -> str:
@@ -302,10 +311,7 @@ class StageAverager(StateSharingAverager):
         group that has not found one yet is called off (a group already averaging is waited for: its members
         need our part). A group that reaches ``full_group_size`` members (everyone expected) averages at once,
         without waiting out the matchmaking time; None waits it out whatever the group's size."""
-        if min_group_size < 2:
-            raise ValueError(f"an averaging group needs at least 2 members, got min_group_size={min_group_size}")
-        if full_group_size is not None and full_group_size < min_group_size:
-            raise ValueError(f"full_group_size ({full_group_size}) is below min_group_size ({min_group_size})")
+        check_group_sizes(min_group_size, full_group_size)
         self.call_in_background(
             "_set_group_sizes",
             minimum=int(min_group_size),
