@@ -5,8 +5,8 @@ poll 0.25 s near a step, trainer refresh 60 s), every role on its own host of ``
 (198.18.0.0/15, one bridge), counted at each host's link, so libp2p's framing, Noise, yamux and TCP are
 in (``benchmarks/_control_hosts.py``). Each layout ``STAGESxREPLICAS+TRAINERS`` is measured in two windows:
 idle (every peer online, no trainer yet: all its link carries is control traffic) and training (the
-trainers train; control bytes = link bytes - the metered forward/backward payloads - an all-reduce
-estimate, an upper bound). 64 live nodes and 16 trainers do not fit this machine's memory (about 300 MB
+trainers train; control bytes = the bytes of the host's connections other than direct channels, less the
+all-reduce's bytes that the peer's averager counted, with TCP framing). 64 live nodes and 16 trainers do not fit this machine's memory (about 300 MB
 a role); ``8x4+8`` is the largest 8-stage layout measured here.
 
 Simulated: :mod:`swarm.simulate.dht_traffic` at the default periods (the run's records and lookups; p2pd's
@@ -395,8 +395,9 @@ def main(argv: List[str]) -> int:
     write_record("control_plane", args, rows, raw=raw,
                  headline=[{k: r.get(k) for k in keys} for r in rows if r.get("source") != "emulated"],
                  notes=["live rows: every role in its own network namespace at the default periods; bytes counted at "
-                        "its link (framing, Noise, yamux, TCP included). A training row's control bytes are the link's "
-                        "minus the metered forward/backward payloads and an all-reduce estimate (an upper bound).",
+                        "its link (framing, Noise, yamux, TCP included). A training row's control bytes are those of "
+                        "its connections other than direct channels (activations), less the all-reduce bytes its "
+                        "averager counted (swarm_peer_allreduce_bytes, with TCP framing).",
                         "simulated rows: swarm/simulate/dht_traffic at the default periods (the run's records and "
                         "lookups, not p2pd's own traffic), plus progress calls near each step (model_step_s per step).",
                         f"check_ms_per_shard_answer: {checking}",

@@ -50,16 +50,18 @@ async def test_replicas_identical_and_stages_in_step(launcher, probe):
 
 
 @pytest.mark.long
-async def test_replicas_averaging_in_int8_stay_identical(launcher, probe):
-    """Activations, their gradients and the stage all-reduce in int8: each replica aggregates the decoded
-    gradients (its own included), so the replicas of a stage still hold bit-identical parameters."""
-    int8 = ["--compression", "int8"]
-    replicas = [launcher.peer(0, target_batch_size=32, extra=int8, wait=False) for _ in range(2)]
-    last = launcher.peer(1, target_batch_size=32, extra=int8, wait=False)
+@pytest.mark.parametrize("codec", ["int8", "ternary"])
+async def test_replicas_averaging_compressed_gradients_stay_identical(launcher, probe, codec):
+    """Activations, their gradients and the stage all-reduce in int8, or gradients in ternary (each replica
+    keeping its own residual for error feedback): each replica aggregates the decoded gradients (its own
+    included), so the replicas of a stage still hold bit-identical parameters."""
+    settings = ["--compression", "int8"] if codec == "int8" else ["--gradient_compression", "ternary"]
+    replicas = [launcher.peer(0, target_batch_size=32, extra=settings, wait=False) for _ in range(2)]
+    last = launcher.peer(1, target_batch_size=32, extra=settings, wait=False)
     for peer in (*replicas, last):  # started together: a peer's start-up is most of this test's time
         peer.wait_event("peer_ready", timeout=90)
     await probe.wait_for(lambda r: len(online(r, 0)) == 2 and len(online(r, 1)) == 1, 30, "2 + 1 replicas online")
-    trainer = launcher.trainer(target_batch_size=32, extra=[*int8, "--max_samples", "64", "--batch_size", "8"])
+    trainer = launcher.trainer(target_batch_size=32, extra=[*settings, "--max_samples", "64", "--batch_size", "8"])
     assert trainer.wait_event("trainer_done", timeout=60)["samples_sent"] == 64
 
     def settled(r) -> bool:
