@@ -32,8 +32,7 @@ THRESHOLD = 0.7  # of the block's mean magnitude: values above it are sent as ±
 GRADIENT_CODECS = (*CODECS, "ternary")  # how a stage's all-reduce may send gradients
 _DIGITS = 5  # ternary digits per byte
 _BYTES_PER_BLOCK = -(-TERNARY_BLOCK // _DIGITS)  # 13
-_POWERS = torch.tensor([3**i for i in range(_DIGITS)], dtype=torch.int64)
-_TABLE = torch.stack([(torch.arange(3**_DIGITS) // p) % 3 for p in _POWERS], dim=1)  # byte -> its 5 digits
+_TABLE = torch.stack([(torch.arange(3**_DIGITS) // 3**i) % 3 for i in range(_DIGITS)], dim=1).to(torch.uint8)
 
 
 def _blocks(size: int) -> int:
@@ -45,35 +44,41 @@ def ternary_bytes(size: int) -> int:
     return (2 + _BYTES_PER_BLOCK) * _blocks(size)
 
 
-def _padded(flat: torch.Tensor, blocks: int, width: int) -> torch.Tensor:
-    out = torch.zeros(blocks * width, dtype=flat.dtype)
-    out[: flat.numel()] = flat
-    return out.view(blocks, width)
-
-
 def encode_ternary(vector: torch.Tensor) -> bytes:
     """``vector`` (float, any shape) as scales then digits; same input, same bytes. Raises CompressionError for
-    NaN or inf, and for blocks whose scale does not fit bfloat16 (values near float32's largest)."""
+    NaN or inf, and for blocks whose scale does not fit bfloat16 (values near float32's largest).
+
+    Memory: besides the float32 input, about 10 bytes a value at the peak (one padded float32 copy, masks,
+    one-byte digits)."""
     flat = vector.detach().reshape(-1).to(torch.float32)
     if not all_finite(flat):
         raise CompressionError("gradient holds NaN or inf, which cannot be compressed")
     blocks = _blocks(flat.numel())
-    rows = _padded(flat, blocks, TERNARY_BLOCK).to(torch.float64)  # float64: sums of huge values stay finite
-    magnitude = rows.abs()
-    sent = magnitude > THRESHOLD * magnitude.mean(dim=1, keepdim=True)
-    scales = ((magnitude * sent).sum(dim=1) / sent.sum(dim=1).clamp_min(1)).to(torch.bfloat16)
+    magnitude = torch.zeros(blocks * TERNARY_BLOCK, dtype=torch.float32)  # the only float copy
+    magnitude[: flat.numel()] = flat
+    magnitude = magnitude.view(blocks, TERNARY_BLOCK)
+    negative = magnitude < 0
+    magnitude.abs_().div_(TERNARY_BLOCK)  # a block's sum of these is its mean magnitude, always finite
+    sent = magnitude > THRESHOLD / TERNARY_BLOCK * magnitude.sum(dim=1, keepdim=True)
+    count = sent.sum(dim=1, dtype=torch.int32).clamp_min(1)  # int32: a bool sum would copy to int64 first
+    scales = (magnitude.mul_(sent).sum(dim=1) / count * TERNARY_BLOCK).to(torch.bfloat16)
+    del magnitude
     if not bool(torch.isfinite(scales).all()):
         raise CompressionError("values this close to float32's largest cannot be sent as ternary")
-    digits = torch.where(sent, torch.where(rows > 0, 1, 2), 0).to(torch.int64)  # 0, +scale, -scale
+    digits = sent.to(torch.uint8)  # 0, 1 (+scale), 2 (-scale)
+    digits += negative.logical_and_(sent)
     return scales.view(torch.int16).numpy().tobytes() + _pack_blocks(digits, blocks).numpy().tobytes()
 
 
 def _pack_blocks(digits: torch.Tensor, blocks: int) -> torch.Tensor:
     """Each block's 64 digits in 13 bytes (its last byte holds 4 digits and a zero; the padding past the vector's
-    end is zero digits, since padded values are 0)."""
-    per_block = torch.zeros(blocks, _BYTES_PER_BLOCK * _DIGITS, dtype=torch.int64)
-    per_block[:, :TERNARY_BLOCK] = digits
-    return (per_block.view(blocks, _BYTES_PER_BLOCK, _DIGITS) * _POWERS).sum(dim=2).to(torch.uint8).view(-1)
+    end is zero digits, since padded values are 0). A byte is at most 242: uint8 arithmetic throughout."""
+    per_block = torch.zeros(blocks, _BYTES_PER_BLOCK, _DIGITS, dtype=torch.uint8)
+    per_block.view(blocks, -1)[:, :TERNARY_BLOCK] = digits
+    packed = per_block[:, :, 0].clone()
+    for place in range(1, _DIGITS):
+        packed += per_block[:, :, place] * 3**place
+    return packed.view(-1)
 
 
 def decode_ternary(data: bytes, size: int) -> torch.Tensor:
@@ -87,16 +92,18 @@ def decode_ternary(data: bytes, size: int) -> torch.Tensor:
         return torch.zeros(0)
     raw = bytearray(data)
     scales = torch.frombuffer(raw, dtype=torch.int16, count=blocks).view(torch.bfloat16).to(torch.float32)
-    packed = torch.frombuffer(raw, dtype=torch.uint8, offset=2 * blocks).to(torch.int64)
+    packed = torch.frombuffer(raw, dtype=torch.uint8, offset=2 * blocks)
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
         raise CompressionError("ternary scales must be finite and non-negative")
     if bool((packed >= 3**_DIGITS).any()):
         raise CompressionError(f"a byte of ternary digits lies below {3**_DIGITS}")
-    digits = _TABLE[packed].view(blocks, _BYTES_PER_BLOCK * _DIGITS)
+    digits = _TABLE[packed.to(torch.int64)].view(blocks, _BYTES_PER_BLOCK * _DIGITS)
     if bool(digits[:, TERNARY_BLOCK:].any()) or bool(digits.view(-1)[_beyond(size, blocks)].any()):
         raise CompressionError("ternary data holds values beyond the end of the gradient")
-    signs = torch.where(digits[:, :TERNARY_BLOCK] == 1, 1.0, torch.where(digits[:, :TERNARY_BLOCK] == 2, -1.0, 0.0))
-    values = (signs * scales[:, None]).view(-1)[:size].clone()
+    kept = digits[:, :TERNARY_BLOCK]
+    values = (kept == 1).to(torch.float32) - (kept == 2).to(torch.float32)
+    values.mul_(scales[:, None])
+    values = values.view(-1)[:size].clone()
     if not all_finite(values):
         raise CompressionError("ternary data decodes to NaN or inf")
     return values
