@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from swarm.net.compression import CompressionError
-from swarm.net.ternary import TERNARY_BLOCK, THRESHOLD, ErrorFeedback, decode_ternary, encode_ternary, ternary_bytes
+from swarm.net.ternary import (TERNARY_BLOCK, THRESHOLD, ErrorFeedback, check_gradient_codec, decode_ternary,
+                               encode_ternary, ternary_bytes)
 
 BFLOAT16_ROUNDING = 2.0**-8  # relative error of a scale rounded to bfloat16
 BFLOAT16_SUBNORMAL_STEP = 2.0**-133  # its absolute error below bfloat16's smallest normal (as float32's, 2**-126)
@@ -63,6 +64,13 @@ def test_the_encoding_is_17x_smaller_than_float32():
     size = 1 << 20
     assert 4 * size / ternary_bytes(size) == pytest.approx(17.07, rel=0.01)
     assert ternary_bytes(0) == 0 and decode_ternary(b"", 0).numel() == 0
+
+
+def test_gradients_travel_only_in_known_codecs():
+    assert [check_gradient_codec(c) for c in ("none", "fp16", "int8", "ternary")] == ["none", "fp16", "int8", "ternary"]
+    for codec in ("int4", "", None):
+        with pytest.raises(ValueError, match="gradients travel in one of"):
+            check_gradient_codec(codec)
 
 
 def test_malformed_data_is_refused():

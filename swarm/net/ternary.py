@@ -25,7 +25,15 @@ import torch
 from swarm.model.finite import all_finite
 from swarm.net.compression import CODECS, CompressionError
 
-__all__ = ["GRADIENT_CODECS", "TERNARY_BLOCK", "ErrorFeedback", "decode_ternary", "encode_ternary", "ternary_bytes"]
+__all__ = [
+    "GRADIENT_CODECS",
+    "TERNARY_BLOCK",
+    "ErrorFeedback",
+    "check_gradient_codec",
+    "decode_ternary",
+    "encode_ternary",
+    "ternary_bytes",
+]
 
 TERNARY_BLOCK = 64  # values per block, with one scale each
 THRESHOLD = 0.7  # of the block's mean magnitude: values above it are sent as ±scale
@@ -33,6 +41,13 @@ GRADIENT_CODECS = (*CODECS, "ternary")  # how a stage's all-reduce may send grad
 _DIGITS = 5  # ternary digits per byte
 _BYTES_PER_BLOCK = -(-TERNARY_BLOCK // _DIGITS)  # 13
 _TABLE = torch.stack([(torch.arange(3**_DIGITS) // 3**i) % 3 for i in range(_DIGITS)], dim=1).to(torch.uint8)
+
+
+def check_gradient_codec(codec: object) -> str:
+    """``codec`` if gradients can travel in it (one of :data:`GRADIENT_CODECS`); ValueError otherwise."""
+    if codec not in GRADIENT_CODECS:
+        raise ValueError(f"gradients travel in one of {list(GRADIENT_CODECS)}, got {codec!r}")
+    return str(codec)
 
 
 def _blocks(size: int) -> int:

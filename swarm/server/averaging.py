@@ -59,7 +59,7 @@ from swarm.net.compression import (
     compress,
     decompress,
 )
-from swarm.net.ternary import GRADIENT_CODECS, ErrorFeedback
+from swarm.net.ternary import ErrorFeedback, check_gradient_codec
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 from swarm.server.state_sharing import StateSharingAverager
@@ -245,9 +245,7 @@ class StageAverager(StateSharingAverager):
         **kwargs: Any,
     ):
         self._state_fn = state_fn
-        if compression not in GRADIENT_CODECS:
-            raise ValueError(f"gradients travel in one of {list(GRADIENT_CODECS)}, got {compression!r}")
-        if compression == "ternary" and aggregation is None:
+        if check_gradient_codec(compression) == "ternary" and aggregation is None:
             raise ValueError(
                 "ternary gradients need the robust all-reduce (defences on): hivemind's butterfly all-reduce sums "
                 "parts of gradients, and a sum of ternary parts is no longer ternary"

@@ -69,7 +69,7 @@ from swarm.net.compression import (
     num_blocks,
 )
 from swarm.dht.identity import peer_id_of
-from swarm.net.ternary import GRADIENT_CODECS, decode_ternary, encode_ternary, ternary_bytes
+from swarm.net.ternary import check_gradient_codec, decode_ternary, encode_ternary, ternary_bytes
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing, equivocators, robust_aggregate
 
 __all__ = [
@@ -279,9 +279,7 @@ class RobustRound:
         self.on_bytes = on_bytes  # told the size of every message this member sends or receives in the round
         self.others = [p for p in peer_ids if p != peer_id]
         self.vector = vector.detach().to(torch.float32).contiguous()
-        if compression not in GRADIENT_CODECS:
-            raise ValueError(f"a gradient travels in one of {list(GRADIENT_CODECS)}, got {compression!r}")
-        self.compression, self.block_size = compression, check_block_size(block_size)
+        self.compression, self.block_size = check_gradient_codec(compression), check_block_size(block_size)
         self.contribution: Optional[torch.Tensor] = None  # what this member aggregates of its own: what it sent
         self.samples, self.key, self.config, self.banned = samples, key, config, banned
         self.timeout, self.chunk_timeout = timeout, chunk_timeout
