@@ -115,19 +115,22 @@ class _ConnectionLog:
         self.hosts, self.measured, self.ports = hosts, list(measured), ports
         self.first = {host: _connections(hosts, host, ports) for host in self.measured}
         self.last = {host: dict(seen) for host, seen in self.first.items()}
+        self.open = {host: set(seen) for host, seen in self.first.items()}  # as of the latest listing
 
     def sample(self) -> None:
         for host in self.measured:
-            for key, value in _connections(self.hosts, host, self.ports).items():
+            listed = _connections(self.hosts, host, self.ports)
+            for key, value in listed.items():
                 self.first[host].setdefault(key, 0)  # opened within the window: all its bytes count
                 self.last[host][key] = value
+            self.open[host] = set(listed)
 
     def moved(self, host: int, direct: bool) -> int:
         return sum(value - self.first[host][key] for key, value in self.last[host].items() if key[2] == direct)
 
     def closed(self, host: int) -> int:
-        """Connections seen in the window that were gone at its end."""
-        return len(set(self.last[host]) - set(_connections(self.hosts, host, self.ports)))
+        """Connections seen in the window that were gone at its latest listing."""
+        return len(set(self.last[host]) - self.open[host])
 
 
 def _direct_port(role: RoleProcess) -> int:

@@ -172,15 +172,16 @@ def main(args: argparse.Namespace) -> Tuple[List[dict], Dict[str, List[float]]]:
     rows, raw = [], {}
     for name in names:
         compression, gradients = SETTINGS[name]
+        activations = activation_bytes(compression, args.hidden, args.seq_len)
+        allreduce = round(allreduce_bytes(gradients, args.hidden, args.seq_len, args.replicas, args.batch_size), 1)
         for steps in steps_list:
             excess = [(losses[(gradients, steps, s)] - losses[("none", steps, s)]) / losses[("none", steps, s)]
                       for s in seeds]
             raw[f"loss_vs_uncompressed[{name}, {steps} steps]"] = [round(e, 5) for e in excess]
             rows.append({
                 "setting": name, "compression": compression, "gradient_compression": gradients, "steps": steps,
-                "activation_bytes_per_sample": activation_bytes(compression, args.hidden, args.seq_len),
-                "allreduce_bytes_per_sample": round(allreduce_bytes(gradients, args.hidden, args.seq_len,
-                                                                    args.replicas, args.batch_size), 1),
+                "activation_bytes_per_sample": activations,
+                "allreduce_bytes_per_sample": allreduce,
                 "loss": round(statistics.mean(losses[(gradients, steps, s)] for s in seeds), 4),
                 "loss_vs_uncompressed": round(statistics.mean(excess), 5),
                 "tokens_per_s_50mbit": None,
