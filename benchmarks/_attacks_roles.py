@@ -44,6 +44,8 @@ class Attack:
     fault: Optional[str] = None  # the attacker peer's --fault
     trainer_attack: Optional[str] = None  # the attacker trainer's --attack
     late_joiner: bool = False  # one honest replica of ``stage`` joins late and must download the stage's state
+    replicas: int = 0  # replicas of ``stage``, the attackers included; 0 = the benchmark's --attacked_replicas
+    attackers: int = 1  # faulty replicas among them (with ``fault``), all acting alike
 
     @property
     def by_trainer(self) -> bool:
@@ -55,6 +57,9 @@ ATTACKS: Dict[str, Attack] = {a.name: a for a in (
     Attack("random_direction_x1000", 1, fault="random_gradients"),
     Attack("nan_gradients", 0, fault="nan_gradients"),
     Attack("little_is_enough", 0, fault="little_is_enough"),
+    Attack("same_norm_sign_flip", 0, fault="same_norm_sign_flip", replicas=3),
+    Attack("colluding_pair_sign_flip", 0, fault="same_norm_sign_flip", replicas=5, attackers=2),
+    Attack("colluding_pair_little_is_enough", 0, fault="little_is_enough", replicas=5, attackers=2),
     Attack("noisy_activations", 0, fault="noisy_outputs"),
     Attack("zeroed_activations", 0, fault="zero_outputs"),
     Attack("poisoned_state", 0, fault="poisoned_state", late_joiner=True),

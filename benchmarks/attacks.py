@@ -1,4 +1,4 @@
-"""Attack benchmark: a live loopback swarm trained with one Byzantine attacker, defences on and off.
+"""Attack benchmark: a live loopback swarm trained with a Byzantine attacker (or a colluding pair), defences on and off.
 
 Why: a volunteer swarm must keep training when a replica or a trainer lies. This script measures, on
 real subprocesses, how much each attack harms training with the defences off, how much of that the
@@ -12,7 +12,10 @@ swarm per run, runs one after another:
     stage 0: stage 0 x4, stage 1 x1. Attacks on stage 1 (``wrong_loss``, ``non_numeric_loss``, and the two
     x1000 gradient attacks, aimed at the stage that holds the output layer, where a step up the gradient
     raises the loss directly, with no honest stage after it to adapt): stage 1 x4, stage 0 x1. Trainer
-    attacks use the stage-0 shape with no faulty replica;
+    attacks use the stage-0 shape with no faulty replica. Attacks that set their own shape: ``same_norm_sign_flip``
+    (stage 0 x3, one replica negating its gradient at its own norm), ``colluding_pair_sign_flip`` and
+    ``colluding_pair_little_is_enough`` (stage 0 x5, two of them attacking alike); each is compared with clean
+    runs of its own shape (``--clean_without_alignment`` adds clean runs with the alignment check off, for its cost);
   * 2 trainers, each sending ``--samples_per_trainer`` samples (so every run compares the model after
     the same data; ``--duration_s`` bounds the time, and is the only limit with ``--samples_per_trainer 0``);
     trainer0 is always honest, trainer1 is the attacker for trainer attacks (``swarm train --attack NAME``);
@@ -126,7 +129,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip_undefended", action="store_true", help="no --defences false runs (quicker; no harm figures)")
     p.add_argument("--clean_repeats", type=int, default=5,
                    help="clean runs per swarm shape and defence setting (their median throughput is compared)")
-    p.add_argument("--attacked_replicas", type=int, default=4, help="replicas of the attacked stage, the attacker included")
+    p.add_argument("--attacked_replicas", type=int, default=4,
+                   help="replicas of the attacked stage, the attacker included (where the attack does not set its own)")
+    p.add_argument("--clean_without_alignment", action="store_true",
+                   help="also run the clean shapes with the defences on but their alignment check off "
+                        "(--alignment_rounds 0), to measure what the check costs")
     p.add_argument("--other_replicas", type=int, default=1, help="replicas of the other stage")
     p.add_argument("--target_batch_size", type=int, default=256, help="samples per global step")
     p.add_argument("--batch_size", type=int, default=8, help="samples per micro-batch")
@@ -150,15 +157,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run: an attack (None: clean) on the swarm shape of ``stage``, defences on or off."""
+    """One run: an attack (None: clean) on the swarm shape of ``stage`` with ``replicas`` replicas there,
+    defences on or off; ``alignment`` False turns the defences' alignment check off (``--alignment_rounds 0``)."""
 
     stage: int
+    replicas: int
     defences: bool
     attack: Optional[Attack] = None
+    alignment: bool = True
 
     @property
     def label(self) -> str:
-        return f"{self.attack.name if self.attack else f'clean_s{self.stage}'}_{'on' if self.defences else 'off'}"
+        name = self.attack.name if self.attack else f"clean_s{self.stage}x{self.replicas}"
+        return f"{name}_{'on' if self.defences else 'off'}{'' if self.alignment or not self.defences else '_noalign'}"
+
+    @property
+    def mode(self) -> str:
+        """How the defences ran: "on", "off", or "on_noalign"."""
+        return "off" if not self.defences else ("on" if self.alignment else "on_noalign")
 
 
 @dataclass
@@ -176,15 +192,23 @@ class Run:
     def __init__(self, spec: RunSpec, swarm: AttackSwarm):
         self.spec, self.swarm = spec, swarm
         self.peers: Dict[int, List[Role]] = {}
-        self.attacker: Optional[Role] = None
+        self.attackers: List[Role] = []  # faulty replicas, or the attacking trainer
         self.trainers: List[Role] = []
         self.joiner: Optional[Role] = None
         self.joiner_started_at: Optional[float] = None
         self.train_start = 0.0  # time.time() when the first trainer was ready: each trains from its own ready line
         self.errors: List[str] = []
 
+    @property
+    def attacker(self) -> Optional[Role]:
+        """The first attacker (the only one, but for colluding replicas)."""
+        return self.attackers[0] if self.attackers else None
+
+    def is_attacker(self, role: Role) -> bool:
+        return any(role is a for a in self.attackers)
+
     def honest_peers(self) -> Dict[int, List[str]]:
-        honest = {s: [r.peer_id for r in roles if r is not self.attacker and r.peer_id] for s, roles in self.peers.items()}
+        honest = {s: [r.peer_id for r in roles if not self.is_attacker(r) and r.peer_id] for s, roles in self.peers.items()}
         if self.joiner is not None and self.joiner.peer_id:
             honest.setdefault(self.spec.stage, []).append(self.joiner.peer_id)
         return honest
@@ -201,14 +225,15 @@ async def start_peers(run: Run, args) -> None:
     spec, swarm = run.spec, run.swarm
     fault = spec.attack.fault if spec.attack else None
     for stage in range(NUM_STAGES):
-        wanted = args.attacked_replicas if stage == spec.stage else args.other_replicas
+        wanted = spec.replicas if stage == spec.stage else args.other_replicas
+        attackers = spec.attack.attackers if fault is not None else 0
         if stage == spec.stage and spec.attack is not None and spec.attack.late_joiner:
             wanted -= 1
         roles = []
         for i in range(wanted):
-            if stage == spec.stage and i == 0 and fault is not None:
-                run.attacker = Role(swarm.peer(stage, "attacker", ["--fault", fault]))
-                roles.append(run.attacker)
+            if stage == spec.stage and i < attackers:
+                run.attackers.append(Role(swarm.peer(stage, f"attacker{i if i else ''}", ["--fault", fault])))
+                roles.append(run.attackers[-1])
             else:
                 roles.append(Role(swarm.peer(stage, f"s{stage}p{i}")))
         run.peers[stage] = roles
@@ -221,9 +246,9 @@ async def start_trainers(run: Run, args) -> None:
     attack = run.spec.attack
     run.trainers = [Role(run.swarm.trainer("trainer0", ["--trainer_seed", str(args.seed + 1)]))]
     if attack is not None and attack.by_trainer:
-        run.attacker = Role(run.swarm.trainer("attacker", ["--trainer_seed", str(args.seed + 2),
-                                                           "--attack", attack.trainer_attack]))
-        run.trainers.append(run.attacker)
+        run.attackers.append(Role(run.swarm.trainer("attacker", ["--trainer_seed", str(args.seed + 2),
+                                                                 "--attack", attack.trainer_attack])))
+        run.trainers.append(run.attackers[-1])
     else:
         run.trainers.append(Role(run.swarm.trainer("trainer1", ["--trainer_seed", str(args.seed + 2)])))
     await asyncio.gather(*(_ready(run.swarm, t, "trainer_ready", "trainer_id") for t in run.trainers))
@@ -273,7 +298,7 @@ async def report_progress(run: Run, period_s: float = 10.0) -> None:
 async def settle(run: Run, total_sent: int, timeout: float) -> Tuple[int, ...]:
     """Wait until the honest replicas account for every sample sent, or their accounting stays put for 3 s
     with nothing frozen (an attacker's share may never arrive), at most ``timeout``; returns it per stage."""
-    exclude = [run.attacker.peer_id] if run.attacker is not None else []
+    exclude = [a.peer_id for a in run.attackers]
     deadline, last, since = time.monotonic() + timeout, None, time.monotonic()
     accounted: Tuple[int, ...] = (0,) * NUM_STAGES
     while time.monotonic() < deadline:
@@ -292,17 +317,31 @@ async def settle(run: Run, total_sent: int, timeout: float) -> Tuple[int, ...]:
 
 
 def exclusion(run: Run) -> Dict[str, Any]:
-    """When the honest roles' logs first exclude the attacker (see the module's docstring)."""
-    if run.attacker is None or not run.attacker.peer_id:
+    """When the honest roles' logs first exclude the attacker (see the module's docstring); with colluding
+    replicas, when the last of them was excluded (None while one never was) and first warned of."""
+    if not run.attackers or not all(a.peer_id for a in run.attackers):
         return {}
+    figures = [_exclusion_of(run, attacker) for attacker in run.attackers]
+    if len(figures) == 1:
+        return figures[0]
+    combined = dict(max(figures, key=lambda f: math.inf if f["attacker_excluded_after_s"] is None
+                        else f["attacker_excluded_after_s"]))
+    for key in ("attacker_excluded_after_s", "attacker_excluded_after_online_s", "attacker_first_warning_after_s"):
+        values = [f[key] for f in figures]
+        combined[key] = None if None in values else max(values)
+    combined["attackers_excluded_after_s"] = [f["attacker_excluded_after_s"] for f in figures]
+    return combined
+
+
+def _exclusion_of(run: Run, attacker: Role) -> Dict[str, Any]:
     by_trainer = run.spec.attack.by_trainer
-    honest = [r for roles in run.peers.values() for r in roles if r is not run.attacker]
+    honest = [r for roles in run.peers.values() for r in roles if not run.is_attacker(r)]
     if not by_trainer:
-        honest += [t for t in run.trainers if t is not run.attacker]
+        honest += [t for t in run.trainers if not run.is_attacker(t)]
     if run.joiner is not None:
         honest.append(run.joiner)
     paths = [r.process.log_path for r in honest]
-    found, warned = first_exclusion(paths, run.attacker.peer_id), first_warning(paths, run.attacker.peer_id)
+    found, warned = first_exclusion(paths, attacker.peer_id), first_warning(paths, attacker.peer_id)
 
     def since(line) -> Optional[float]:
         """Seconds from the moment the attacker could first act to ``line`` (see the module's docstring)."""
@@ -311,7 +350,7 @@ def exclusion(run: Run) -> Dict[str, Any]:
             # the joiner starts, and was then its first victim, refusing it as the download ended (0 s, not negative)
             start = None if run.joiner_started_at is None else min(run.joiner_started_at, line.t)
         else:
-            start = run.attacker.ready_at if by_trainer else max(run.attacker.ready_at, run.train_start)
+            start = attacker.ready_at if by_trainer else max(attacker.ready_at, run.train_start)
         return None if start is None else round(line.t - start, 2)
 
     figures: Dict[str, Any] = {"attacker_excluded_after_s": None, "attacker_excluded_after_online_s": None,
@@ -322,7 +361,7 @@ def exclusion(run: Run) -> Dict[str, Any]:
     if found is not None and since(found[0]) is not None:
         line, name = found
         figures.update(attacker_excluded_after_s=since(line),
-                       attacker_excluded_after_online_s=round(line.t - run.attacker.ready_at, 2),
+                       attacker_excluded_after_online_s=round(line.t - attacker.ready_at, 2),
                        exclusion_evidence=f"{name}: {line.message[:200]}")
     return figures
 
@@ -388,7 +427,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "global_steps": max((r.step for r in records.values() if r.peer_id in honest), default=None),
         "honest_states_at_end": len(set(hashes.values())) if hashes else None,
         "rounds_sat_out": sum(SAT_OUT in line.message for roles in run.peers.values() for role in roles
-                              if role is not run.attacker for line in read_log(role.process.log_path)),
+                              if not run.is_attacker(role) for line in read_log(role.process.log_path)),
         "replicas_at_end": list(counts(records, NUM_STAGES)),
         "load_average_1m": round(os.getloadavg()[0], 2),  # the machine's load: throughput figures move with it
         **exclusion(run),
@@ -402,7 +441,7 @@ ROUND_DONE = re.compile(r"averaging step \d+ done")
 async def run_once(spec: RunSpec, args, log_dir: Path, batches) -> Dict[str, Any]:
     """One live swarm from bootstrap to figures; every process it started is stopped before it returns."""
     run_id = f"atk_{spec.label}_{uuid.uuid4().hex[:6]}"
-    model = [*TINY_MODEL, "--lr", str(args.lr)]
+    model = [*TINY_MODEL, "--lr", str(args.lr), *([] if spec.alignment else ["--alignment_rounds", "0"])]
     swarm = AttackSwarm(
         log_dir, run_id,
         run_args=["--num_stages", str(NUM_STAGES), "--seed", str(args.seed), "--target_batch_size",
@@ -472,13 +511,18 @@ def _progress_lost(heldout: Optional[float], clean: Optional[float], initial: fl
     return 1.0 if not math.isfinite(heldout) else round((heldout - clean) / (initial - clean), 3)
 
 
+def replicas_of(attack: Attack, args) -> int:
+    """Replicas of the attacked stage in the attack's runs and in the clean runs it is compared with."""
+    return attack.replicas or args.attacked_replicas
+
+
 def shape(attack: Attack, args) -> str:
     other = 1 - attack.stage
-    attacker = "no faulty replica" if attack.by_trainer else "1 attacker"
+    attacker = "no faulty replica" if attack.by_trainer else f"{attack.attackers} attacker{'s' * (attack.attackers > 1)}"
     if attack.late_joiner:
         attacker += ", 1 joining at 1/3"
     trainers = "trainer1 attacker" if attack.by_trainer else "2 honest trainers"
-    return (f"stage {attack.stage} x{args.attacked_replicas} ({attacker}), stage {other} x{args.other_replicas}, "
+    return (f"stage {attack.stage} x{replicas_of(attack, args)} ({attacker}), stage {other} x{args.other_replicas}, "
             f"{trainers}")
 
 
@@ -502,10 +546,11 @@ def median_run(runs: List[Dict[str, Any]]) -> Dict[str, Any]:
     return sorted(runs, key=key)[len(runs) // 2] if runs else {}
 
 
-def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: Dict[str, Any],
+def combine(attack: Attack, args, clean: Dict[str, List[Dict[str, Any]]], on: Dict[str, Any],
             off: Optional[Dict[str, Any]], initial: float) -> Dict[str, Any]:
-    """One attack's row: its defended and undefended runs beside the clean runs of its swarm shape."""
-    runs_on, runs_off = clean[True], clean.get(False) or []
+    """One attack's row: its defended and undefended runs beside the clean runs of its swarm shape (by mode:
+    "on", "off", "on_noalign")."""
+    runs_on, runs_off, runs_noalign = clean["on"], clean.get("off") or [], clean.get("on_noalign") or []
     clean_on, clean_off, off_ = median_run(runs_on), median_run(runs_off), off or {}
     throughput_on, throughput_off = median_throughput(runs_on), median_throughput(runs_off)
     return {
@@ -526,6 +571,9 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
         "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
+        "clean_throughput_ratio_alignment_on_vs_off": _ratio(throughput_on, median_throughput(runs_noalign)),
+        "clean_peer_cpu_ratio_alignment_off_vs_on": _ratio(median_of(runs_noalign, "peer_cpu_ms_per_sample"),
+                                                           median_of(runs_on, "peer_cpu_ms_per_sample")),
         "clean_peer_cpu_ratio_off_vs_on": _ratio(median_of(runs_off, "peer_cpu_ms_per_sample"),
                                                  median_of(runs_on, "peer_cpu_ms_per_sample")),
         "clean_peer_cpu_ms_per_sample": {"on": [r.get("peer_cpu_ms_per_sample_by_kind") for r in runs_on],
@@ -533,7 +581,8 @@ def combine(attack: Attack, args, clean: Dict[bool, List[Dict[str, Any]]], on: D
         "clean_heldout_losses": {"on": [r.get("heldout_loss") for r in runs_on],
                                  "off": [r.get("heldout_loss") for r in runs_off]},
         "clean_throughputs": {"on": [r.get("throughput_samples_per_s") for r in runs_on],
-                              "off": [r.get("throughput_samples_per_s") for r in runs_off]},
+                              "off": [r.get("throughput_samples_per_s") for r in runs_off],
+                              "on_noalign": [r.get("throughput_samples_per_s") for r in runs_noalign]},
         "undefended_diverged": _diverged(off, initial),
         "undefended_progress_lost": _progress_lost(off_.get("heldout_loss"), clean_on.get("heldout_loss"), initial),
         "loss_first_undefended": off_.get("loss_first"), "loss_peak_undefended": off_.get("loss_peak"),
@@ -568,18 +617,17 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
         print("  ".join(_fmt(row.get(key)).rjust(width) for _, key, width in TABLE), flush=True)
 
 
-def summary(clean: Dict[Tuple[int, bool], List[Dict[str, Any]]]) -> str:
+def summary(clean: Dict[Tuple[int, int, str], List[Dict[str, Any]]]) -> str:
     parts = []
-    for stage in sorted({s for s, _ in clean}):
-        on, off = median_throughput(clean[(stage, True)]), median_throughput(clean.get((stage, False)) or [])
-        runs = "; ".join(f"{'on' if d else 'off'} " + ", ".join(_fmt(r.get("throughput_samples_per_s"), 1)
-                                                                for r in clean.get((stage, d)) or [])
-                         for d in (True, False) if (stage, d) in clean)
-        cpu_on = median_of(clean[(stage, True)], "peer_cpu_ms_per_sample")
-        cpu_off = median_of(clean.get((stage, False)) or [], "peer_cpu_ms_per_sample")
-        parts.append(f"stage-{stage} shape: median defences on {_fmt(on, 1)} / off {_fmt(off, 1)} samples/s "
-                     f"= {_fmt(_ratio(on, off))} (runs: {runs}); peers' CPU ms per sample on {_fmt(cpu_on, 1)} / "
-                     f"off {_fmt(cpu_off, 1)}: off/on {_fmt(_ratio(cpu_off, cpu_on))}")
+    for stage, replicas in sorted({(s, r) for s, r, _ in clean}):
+        by_mode = {mode: runs for (s, r, mode), runs in clean.items() if (s, r) == (stage, replicas)}
+        on, off = median_throughput(by_mode["on"]), median_throughput(by_mode.get("off") or [])
+        runs = "; ".join(f"{mode} " + ", ".join(_fmt(r.get("throughput_samples_per_s"), 1) for r in runs)
+                         for mode, runs in by_mode.items())
+        cpu = {mode: median_of(runs, "peer_cpu_ms_per_sample") for mode, runs in by_mode.items()}
+        parts.append(f"stage-{stage} x{replicas} shape: median defences on {_fmt(on, 1)} / off {_fmt(off, 1)} samples/s "
+                     f"= {_fmt(_ratio(on, off))} (runs: {runs}); peers' CPU ms per sample "
+                     + ", ".join(f"{mode} {_fmt(value, 1)}" for mode, value in cpu.items()))
     return "clean throughput of trainer0, defended/undefended: " + "; ".join(parts)
 
 
@@ -594,17 +642,22 @@ async def main(args) -> List[Dict[str, Any]]:
              else f"{args.duration_s:.0f}s")
     log(f"{len(attacks)} attacks, defences {'on' if args.skip_undefended else 'on and off'}, {limit} "
         f"each; held-out loss of the initialisation {initial:.4f}; logs in {log_dir}")
-    clean: Dict[Tuple[int, bool], List[Dict[str, Any]]] = {}
-    for stage in sorted({a.stage for a in attacks}):
-        for _ in range(args.clean_repeats):  # on and off take turns, so a slow spell of the machine hits both
-            for defences in modes:
-                clean.setdefault((stage, defences), []).append(
-                    await run_once(RunSpec(stage, defences), args, log_dir, batches))
+    clean: Dict[Tuple[int, int, str], List[Dict[str, Any]]] = {}
+    for stage, replicas in sorted({(a.stage, replicas_of(a, args)) for a in attacks}):
+        specs = [RunSpec(stage, replicas, defences) for defences in modes]
+        if args.clean_without_alignment:
+            specs.append(RunSpec(stage, replicas, True, alignment=False))
+        for _ in range(args.clean_repeats):  # the modes take turns, so a slow spell of the machine hits all
+            for spec in specs:
+                clean.setdefault((stage, replicas, spec.mode), []).append(await run_once(spec, args, log_dir, batches))
     rows = []
     for attack in attacks:
-        on = await run_once(RunSpec(attack.stage, True, attack), args, log_dir, batches)
-        off = None if args.skip_undefended else await run_once(RunSpec(attack.stage, False, attack), args, log_dir, batches)
-        rows.append(combine(attack, args, {d: clean[(attack.stage, d)] for d in modes}, on, off, initial))
+        replicas = replicas_of(attack, args)
+        on = await run_once(RunSpec(attack.stage, replicas, True, attack), args, log_dir, batches)
+        off = (None if args.skip_undefended
+               else await run_once(RunSpec(attack.stage, replicas, False, attack), args, log_dir, batches))
+        shape_runs = {mode: runs for (s, r, mode), runs in clean.items() if (s, r) == (attack.stage, replicas)}
+        rows.append(combine(attack, args, shape_runs, on, off, initial))
     print_table(rows)
     print(summary(clean), flush=True)
     result = [_json_safe({**row, "log_dir": str(log_dir)}) for row in rows]
@@ -639,7 +692,7 @@ def record(args, rows: List[Dict[str, Any]], runs: List[Dict[str, Any]]) -> None
         "excluded_after_s counts only a ban or a refusal of the attacker in an honest role's log (a trainer banning "
         "it, replicas excluding it from averaging, its state, calls or DHT traffic refused, its micro-batches "
         "weighted 0); first_warning_after_s is the first warning naming it at all. '-' = never.",
-        "Raw values are keyed <figure>[<run label>]: clean_s<stage>_on/off or <attack>_on/off."])
+        "Raw values are keyed <figure>[<run label>]: clean_s<stage>x<replicas>_on/off/on_noalign or <attack>_on/off."])
 
 
 if __name__ == "__main__":

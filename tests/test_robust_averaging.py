@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -206,6 +206,41 @@ async def test_a_member_with_no_samples_ends_with_what_the_others_average(group_
     expected = robust_aggregate({p: flat(g).to(torch.float32) for p, g in zip(ids, grads)}, dict.fromkeys(ids, SAMPLES),
                                 AggregationConfig())
     assert torch.allclose(flat(results[3].tensors), expected.vector, rtol=1e-5, atol=1e-6)
+
+
+def noisy_grads(seed: int, noise: float = 1.5) -> List[torch.Tensor]:
+    """A replica's gradient of one step: the shared direction plus its own samples' noise (two such gradients'
+    cosine is about 1 / (1 + noise^2): 0.3 here, the range of small batches)."""
+    generator = torch.Generator().manual_seed(seed)
+    base = [torch.randn(s.shape, generator=torch.Generator().manual_seed(0)) for s in SHAPES]
+    return [b + noise * torch.randn(b.shape, generator=generator) for b in base]
+
+
+async def test_a_replica_flipping_its_gradient_at_an_honest_norm_is_banned_after_a_few_rounds(group_factory):
+    """One of three negates its gradient at its own norm: no distance shows it, but round after round its
+    gradient points against both others'. Both honest members ban it once the record proves it (never before
+    the check's minimum of rounds), never ban each other, and average without it afterwards."""
+    group = group_factory(["none", "none", "same_norm_sign_flip"], robust=True)
+    honest, attacker = [str(d.peer_id) for d in group.dhts[:2]], str(group.dhts[2].peer_id)
+    min_rounds = AggregationConfig().alignment.min_rounds
+    banned_at: Dict[int, int] = {}  # honest member -> the round it banned the attacker in
+    for index in range(min_rounds + 4):
+        results = await group.round([noisy_grads(10 * index + i) for i in range(3)], full=3)
+        for member, result in enumerate(results[:2]):
+            if result is None:  # sat out (a late gradient on a loaded machine): its record lacks this round
+                continue
+            assert not set(honest) & set(result.banned), result.banned
+            if attacker in result.banned:
+                assert "pointed against those of 2 of 2 stage-mates" in result.banned[attacker]
+                banned_at.setdefault(member, index + 1)
+            elif member not in banned_at:
+                assert attacker in result.included
+        if len(banned_at) == 2:
+            break
+    # no earlier than the check's minimum of rounds, and at it where a member took part in every round
+    assert len(banned_at) == 2 and min(banned_at.values()) >= min_rounds, banned_at
+    after = await group.round([noisy_grads(1000 + i) for i in range(3)], full=3)
+    assert all(r is not None and attacker not in r.included and sorted(r.included) == sorted(honest) for r in after[:2])
 
 
 @pytest.mark.long

@@ -16,7 +16,10 @@ replicas that hold the same inputs reach bit-identical results:
 4. ``tau`` is ``centered_clip_scale`` times the median distance of the contributions from their coordinate-wise
    median (the typical spread of honest gradients, which a minority cannot move much), unless set;
 5. a contribution farther from the result than ``ban_ratio`` times the median distance is an attack,
-   not noise: its sender is banned (only with three or more contributions, where a median means something).
+   not noise: its sender is banned (only with three or more contributions, where a median means something);
+6. the cosine between every two included contributions with samples goes out with the result
+   (``Aggregate.cosines``): over many rounds they show a replica whose gradients point against the others'
+   at an honest norm (:mod:`swarm.policy.alignment`), which no single round can.
 
 Computation is in float64 and in a fixed order (no BLAS reductions across contributions).
 """
@@ -30,6 +33,7 @@ from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tu
 import torch
 
 from swarm.model.finite import all_finite
+from swarm.policy.alignment import AlignmentConfig, Pair, pair_cosines
 
 __all__ = [
     "AggregationConfig",
@@ -68,6 +72,16 @@ class AggregationConfig:
     ban_ratio: float = 50.0  # a contribution this many median distances from the result gets its sender banned
     centered_clip_iterations: int = 100  # CenteredClip iterations at most
     centered_clip_tolerance: float = 1e-7  # stop when a step moves the result by less than this fraction of the radius
+    alignment_rounds: int = field(
+        default=8,
+        metadata={
+            "help": (
+                "rounds two replicas must share before their gradients' cosines can show one pointing against the "
+                "other; a replica opposed so to most of its stage-mates is banned (0 = no such check)"
+            )
+        },
+    )
+    alignment_z: float = 4.0  # standard errors below zero a pair's mean cosine must be to count as opposed
 
     def __post_init__(self) -> None:
         if not self.centered_clip_tau >= 0 or not self.centered_clip_scale > 0:
@@ -81,6 +95,11 @@ class AggregationConfig:
             )
         if self.centered_clip_iterations < 1 or not self.centered_clip_tolerance > 0:
             raise ValueError("centered_clip_iterations must be at least 1 and centered_clip_tolerance positive")
+        AlignmentConfig(min_rounds=self.alignment_rounds, z=self.alignment_z)  # raises on bad alignment settings
+
+    @property
+    def alignment(self) -> AlignmentConfig:
+        return AlignmentConfig(min_rounds=self.alignment_rounds, z=self.alignment_z)
 
 
 @dataclass
@@ -95,6 +114,7 @@ class Aggregate:
     tau: float = 0.0
     iterations: int = 0
     distances: Dict[str, float] = field(default_factory=dict)  # distance of each included contribution from the result
+    cosines: Dict[Pair, float] = field(default_factory=dict)  # between every two included contributions with samples
 
     @property
     def samples(self) -> float:
@@ -203,6 +223,8 @@ def robust_aggregate(
             bans,
         )
     aggregate = _aggregate_nonempty(peers, contributions, claims, config, excluded, bans, max_samples)
+    if config.alignment.enabled:
+        aggregate.cosines = pair_cosines({p: contributions[p] for p in aggregate.included})
     aggregate.included += empty
     aggregate.weights.update(dict.fromkeys(empty, 0.0))
     return aggregate

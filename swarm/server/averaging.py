@@ -61,6 +61,7 @@ from swarm.net.compression import (
 )
 from swarm.net.ternary import ErrorFeedback, check_gradient_codec
 from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing
+from swarm.policy.alignment import AlignmentRecord
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 from swarm.server.state_sharing import StateSharingAverager
 
@@ -263,6 +264,8 @@ class StageAverager(StateSharingAverager):
         self._ban_s, self._max_samples = ban_s, max_samples
         self._banned: Dict[str, float] = {}  # peer id -> time.monotonic() until which it is banned (averager process)
         self._outcomes: Dict[bytes, Aggregate] = {}
+        # cosines between groupmates' gradients, round after round (averager process)
+        self._alignment = AlignmentRecord(aggregation.alignment) if aggregation is not None else None
         self._wire_bytes = 0  # encoded messages sent and received in robust rounds (counted in the averager's process)
         super().__init__(averaged_buffers(grad_shapes), **kwargs)
 
@@ -502,6 +505,17 @@ class StageAverager(StateSharingAverager):
 
     # ---- robust rounds: every check below runs in the averager's process ----
 
+    def _accuse_opposed(self, outcome: Aggregate) -> None:
+        """Add this round's cosines to the record, and ban the groupmates whose gradients have pointed against
+        most of the others' (their contribution to this round stays in, bounded by CenteredClip)."""
+        if self._alignment is None:
+            return
+        self._alignment.add(outcome.cosines)
+        accused = {p: why for p, why in self._alignment.opposed().items() if p != str(self.peer_id)}
+        for peer, why in accused.items():
+            outcome.banned.setdefault(peer, why)
+        self._alignment.forget(accused)
+
     def _count_wire_bytes(self, size: int) -> None:
         self._wire_bytes += size
 
@@ -541,6 +555,7 @@ class StageAverager(StateSharingAverager):
         except IncompleteRound as e:
             logger.info(f"sitting this averaging round out: {e}")
             return  # no outcome recorded: _aggregate_with_group fails the round, and the tensors stay as they were
+        self._accuse_opposed(outcome)
         for peer in outcome.banned:
             self._banned[peer] = time.monotonic() + self._ban_s
         if feedback is not None and round_.contribution is not None and str(self.peer_id) in outcome.included:

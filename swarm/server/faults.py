@@ -47,6 +47,7 @@ REPLY_FAULTS = (
 # faults of what the replica contributes to its stage's averaging
 GRADIENT_FAULTS = (
     "sign_flip_gradients",
+    "same_norm_sign_flip",
     "random_gradients",
     "nan_gradients",
     "little_is_enough",
@@ -94,6 +95,7 @@ def _with_noise(value: torch.Tensor) -> torch.Tensor:
 class GradientFault:
     """What a replica with one of :data:`GRADIENT_FAULTS` sends to its stage's averaging instead of its gradient.
 
+    ``same_norm_sign_flip`` sends its gradient negated, at its own norm and with its true sample count.
     ``little_is_enough`` (Baruch et al., 2019) stays inside the honest spread: it sends its gradient moved by
     ``z`` standard deviations against itself, the deviation estimated from its own recent gradients.
     ``equivocate_gradients`` sends its true gradient to every other groupmate and a sign-flipped one
@@ -132,6 +134,8 @@ class GradientFault:
                 grads = [g.clone() for g in self._last]
         if self.fault == "sign_flip_gradients":
             return [-self.SCALE * g for g in grads]
+        if self.fault == "same_norm_sign_flip":  # as far from the honest gradients as one of them: no distance shows it
+            return [-g for g in grads]
         if self.fault == "nan_gradients":
             return [torch.full_like(g, float("nan")) for g in grads]
         if self.fault == "random_gradients":

@@ -411,8 +411,9 @@ class StepCoordinator:
                 return
 
     def _report_exclusions(self, result) -> None:
-        """Log whom a robust round left out, and stop believing the claims of those it banned."""
-        for peer_id, why in result.excluded.items():
+        """Log whom a robust round left out or banned (a replica whose gradients kept pointing against the
+        others' is banned after a round it was part of), and stop believing the claims of those it banned."""
+        for peer_id, why in {**result.excluded, **result.banned}.items():
             if peer_id in result.banned:
                 logger.warning(f"stage {self.peer.stage}: excluding {peer_id} from averaging: {why}")
                 count_ban("peer", "averaging")
