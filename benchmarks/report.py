@@ -44,6 +44,8 @@ WHAT = {
     "control_plane": "control-plane bytes per peer, trainer and bootstrap, counted at network-namespace links and modelled",
     "step_traffic": "DHT keys each training stage peer stores and reads per second, at short and long steps",
     "compression": "bytes per sample of activations and of the all-reduce, and loss at equal samples, per codec",
+    "alignment": "honest replicas' gradient cosines, when the alignment check excludes same-norm flippers, "
+                 "and what it costs per round",
     "simulate": "the 1,000-peer simulation and the SWARM paper's rebalancing experiment",
     "gpu": "a Llama-class stage's training throughput and MFU, a 2-stage swarm against one process on one GPU, "
            "and each stage's peak memory against its estimate",

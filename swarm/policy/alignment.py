@@ -69,17 +69,29 @@ class AlignmentConfig:
         return self.min_rounds > 0
 
 
+CHUNK_VALUES = 2**18  # values per contribution converted to float64 at a time
+
+
 def pair_cosines(contributions: Mapping[str, torch.Tensor]) -> Dict[Pair, float]:
-    """The cosine between every two contributions (peer id -> flat gradient), in float64 and a fixed order.
-    A zero vector has no direction: its pairs are left out."""
+    """The cosine between every two contributions (peer id -> flat gradient of one size), accumulated in
+    float64 over chunks in a fixed order, so no float64 copy of a whole gradient is made. A vector without a
+    direction (zero or not finite) has no cosine: its pairs are left out."""
     peers = sorted(contributions)
-    vectors = {p: contributions[p].detach().reshape(-1).to(torch.float64) for p in peers}
-    norms = {p: float(torch.linalg.vector_norm(v)) for p, v in vectors.items()}
+    flat = [contributions[p].detach().reshape(-1) for p in peers]
+    if len(peers) < 2:
+        return {}
+    if len({v.numel() for v in flat}) != 1:
+        raise ValueError(f"contributions differ in size: {sorted({v.numel() for v in flat})}")
+    gram = torch.zeros(len(peers), len(peers), dtype=torch.float64)
+    for start in range(0, flat[0].numel(), CHUNK_VALUES):
+        block = torch.stack([v[start : start + CHUNK_VALUES].to(torch.float64) for v in flat])
+        gram += block @ block.T
+    norms = [math.sqrt(float(gram[i, i])) for i in range(len(peers))]
     cosines: Dict[Pair, float] = {}
     for i, a in enumerate(peers):
-        for b in peers[i + 1 :]:
-            if norms[a] > 0 and norms[b] > 0 and math.isfinite(norms[a]) and math.isfinite(norms[b]):
-                cosines[(a, b)] = float(torch.dot(vectors[a], vectors[b])) / (norms[a] * norms[b])
+        for j in range(i + 1, len(peers)):
+            if norms[i] > 0 and norms[j] > 0 and math.isfinite(norms[i]) and math.isfinite(norms[j]):
+                cosines[(a, peers[j])] = float(gram[i, j]) / (norms[i] * norms[j])
     return cosines
 
 
