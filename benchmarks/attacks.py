@@ -58,6 +58,8 @@ Measured, per run:
                    only acts on the steps whose round it joined.
   rounds_sat_out   robust averaging rounds an honest replica sat out (it lacked a gradient most of its group held,
                    or no majority of the group confirmed the inputs it decided on), over all honest replicas' logs.
+  honest_excluded  honest replicas that an honest replica's log excludes from averaging ("excluding <id> from
+                   averaging"), with the line: empty in every run, clean or attacked, or a defence misfired.
   attacker_excluded_after_s   seconds from the moment the attacker could first act (a replica: once it was ready
                    and a trainer was training; a trainer: once it was ready; ``poisoned_state``: once the
                    joiner was started, or 0 if a resyncing honest replica refused its state even earlier) to
@@ -428,6 +430,7 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
         "honest_states_at_end": len(set(hashes.values())) if hashes else None,
         "rounds_sat_out": sum(SAT_OUT in line.message for roles in run.peers.values() for role in roles
                               if not run.is_attacker(role) for line in read_log(role.process.log_path)),
+        "honest_excluded": honest_excluded(run, honest),
         "replicas_at_end": list(counts(records, NUM_STAGES)),
         "load_average_1m": round(os.getloadavg()[0], 2),  # the machine's load: throughput figures move with it
         **exclusion(run),
@@ -435,6 +438,21 @@ async def train_and_measure(run: Run, args, batches) -> Dict[str, Any]:
 
 
 SAT_OUT = "sitting this averaging round out"
+EXCLUDING = re.compile(r"excluding (\S+) from averaging")
+
+
+def honest_excluded(run: Run, honest: set) -> List[str]:
+    """Honest replicas that an honest replica's log excludes from averaging (must stay empty), with the reason."""
+    found = {}
+    for roles in run.peers.values():
+        for role in roles:
+            if run.is_attacker(role):
+                continue
+            for line in read_log(role.process.log_path):
+                match = EXCLUDING.search(line.message)
+                if match is not None and match.group(1) in honest:
+                    found.setdefault(match.group(1), line.message[:200])
+    return [f"{peer}: {why}" for peer, why in sorted(found.items())]
 ROUND_DONE = re.compile(r"averaging step \d+ done")
 
 
@@ -568,6 +586,8 @@ def combine(attack: Attack, args, clean: Dict[str, List[Dict[str, Any]]], on: Di
         "samples_lost_clean": clean_on.get("samples_lost"),
         "honest_states_defended": on.get("honest_states_at_end"), "honest_states_clean": clean_on.get("honest_states_at_end"),
         "rounds_sat_out_defended": on.get("rounds_sat_out"), "rounds_sat_out_clean": clean_on.get("rounds_sat_out"),
+        "honest_excluded_defended": on.get("honest_excluded"),
+        "honest_excluded_clean": sorted({e for r in runs_on + runs_noalign for e in r.get("honest_excluded") or []}),
         "samples_sent_by_attacker": on.get("samples_sent_by_attacker"),
         "throughput_ratio_defended_vs_clean": _ratio(on.get("throughput_samples_per_s"), throughput_on),
         "clean_throughput_ratio_on_vs_off": _ratio(throughput_on, throughput_off),
