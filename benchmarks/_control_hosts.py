@@ -128,6 +128,15 @@ class _ConnectionLog:
     def moved(self, host: int, direct: bool) -> int:
         return sum(value - self.first[host][key] for key, value in self.last[host].items() if key[2] == direct)
 
+    def moved_by_remote(self, host: int) -> Dict[str, int]:
+        """Bytes of the host's connections other than direct channels, by the remote address (no port)."""
+        out: Dict[str, int] = {}
+        for key, value in self.last[host].items():
+            if not key[2]:
+                remote = key[1].rsplit(":", 1)[0]
+                out[remote] = out.get(remote, 0) + value - self.first[host][key]
+        return out
+
     def closed(self, host: int) -> int:
         """Connections seen in the window that were gone at its latest listing."""
         return len(set(self.last[host]) - self.open[host])
@@ -233,6 +242,7 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         per_peer.append({"link": moved, "data": data[host], "allreduce": allreduce, "steps": steps,
                          "allreduce_counted": counted, "control": max(0.0, control)})
     per_trainer = [p2pd[h] / elapsed for h in trainer_hosts]
+    by_remote = _by_remote_kind(hosts, layout, log, peer_hosts, trainer_hosts, per_peer, elapsed)
     control = [p["control"] / elapsed for p in per_peer]
     return {
         "stages": layout.stages, "peers": layout.peers, "trainers": len(trainer_hosts), "phase": phase,
@@ -253,4 +263,29 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         "window_s": round(elapsed, 1),
         "source": "live",
         "_control_per_peer": [round(c, 1) for c in control],
+        "control_by_stage_and_remote": by_remote,
     }
+
+
+def _by_remote_kind(hosts: Hosts, layout: Layout, log: _ConnectionLog, peer_hosts: List[int],
+                    trainer_hosts: List[int], per_peer: List[Dict[str, float]], elapsed: float) -> Dict[str, Any]:
+    """Each stage's mean control bytes per second per peer, by whom they went to and came from: the bootstrap,
+    stage-mates (less what the averagers counted), peers of other stages, trainers, anyone else (the metrics
+    scrapes, whose bytes the peer's total leaves out). Where a peer's control
+    bytes go shows which mechanism spends them."""
+    kinds = {hosts.address(0): "bootstrap", **{hosts.address(h): "trainer" for h in trainer_hosts}}
+    stage_of = {hosts.address(h): index % layout.stages for index, h in enumerate(peer_hosts)}
+    out: Dict[str, Dict[str, float]] = {}
+    for index, (host, figures) in enumerate(zip(peer_hosts, per_peer)):
+        stage = index % layout.stages
+        sums = {"bootstrap": 0.0, "stage_mates": -figures["allreduce"], "other_stages": 0.0, "trainers": 0.0,
+                "other": 0.0}
+        for remote, moved in log.moved_by_remote(host).items():
+            if remote in stage_of:
+                sums["stage_mates" if stage_of[remote] == stage else "other_stages"] += moved
+            else:
+                sums[{"trainer": "trainers", "bootstrap": "bootstrap"}.get(kinds.get(remote, ""), "other")] += moved
+        row = out.setdefault(f"stage{stage}", {k: 0.0 for k in sums})
+        for key, value in sums.items():
+            row[key] += value / elapsed / (layout.peers // layout.stages)
+    return {stage: {k: round(v, 1) for k, v in row.items()} for stage, row in out.items()}
