@@ -27,7 +27,7 @@ Computation is in float64 and in a fixed order (no BLAS reductions across contri
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -195,21 +195,6 @@ def robust_aggregate(
 ) -> Aggregate:
     """Combine flat gradient vectors (peer id -> vector) into one, leaving out and naming the bad ones, with the
     cosines between the included contributions that have samples (unless the alignment check is off)."""
-    aggregate = _robust_aggregate(contributions, claims, config, banned, equivocated, max_samples)
-    if config.alignment.enabled:
-        weighed = [p for p in aggregate.included if aggregate.weights.get(p, 0.0) > 0]
-        aggregate.cosines = pair_cosines({p: contributions[p] for p in weighed})
-    return aggregate
-
-
-def _robust_aggregate(
-    contributions: Mapping[str, torch.Tensor],
-    claims: Mapping[str, float],
-    config: AggregationConfig,
-    banned: AbstractSet[str] = frozenset(),
-    equivocated: AbstractSet[str] = frozenset(),
-    max_samples: Optional[float] = None,
-) -> Aggregate:
     excluded: Dict[str, str] = {}
     bans: Dict[str, str] = {}
     peers: List[str] = []
@@ -239,6 +224,8 @@ def _robust_aggregate(
             bans,
         )
     aggregate = _aggregate_nonempty(peers, contributions, claims, config, excluded, bans, max_samples)
+    if config.alignment.enabled:
+        aggregate.cosines = pair_cosines({p: contributions[p] for p in aggregate.included})
     aggregate.included += empty
     aggregate.weights.update(dict.fromkeys(empty, 0.0))
     return aggregate
@@ -273,7 +260,9 @@ def _aggregate_nonempty(
         kept = [p for p in peers if p not in bans]
         for peer in set(peers) - set(kept):
             excluded[peer] = bans[peer]
-        inner = _robust_aggregate({p: contributions[p] for p in kept}, claims, config, max_samples=max_samples)
+        # without the cosines: the caller computes them once, over what this returns
+        unchecked = replace(config, alignment_rounds=0)
+        inner = robust_aggregate({p: contributions[p] for p in kept}, claims, unchecked, max_samples=max_samples)
         inner.excluded.update(excluded)
         inner.banned.update(bans)
         return inner
