@@ -50,8 +50,9 @@ def test_progress_calls_are_bounded_per_replica_whatever_the_stage_size():
     # the clock's replicas are asked by every other stage's watchers: more when stages are many and small
     many = progress_bytes_per_s(model, 1_000, 64)
     assert many["clock_peer"] > many["peer"]
-    # ... but they ask it less often as stages grow (clock_watch_period_s): a clock replica stays near the others
-    assert many["clock_peer"] < 1.3 * many["peer"]
+    # ... but they ask it less often as stages grow (clock_watch_period_s), and a trainer's hint makes only the
+    # watchers ask (once per step): a clock replica stays near the others
+    assert many["clock_peer"] < 1.5 * many["peer"]
 
 
 def test_a_peer_that_reads_two_stages_costs_less_than_one_that_reads_them_all():

@@ -112,6 +112,24 @@ async def test_the_wait_for_room_is_bounded_by_the_averaging_timeout():
     assert steps.admitted == 2
 
 
+async def test_a_trainers_clock_hint_wakes_the_coordinator_once_per_step_and_is_capped_at_the_next_step():
+    woken = []
+    runner = SimpleNamespace(accum_step=5)
+    host = SimpleNamespace(config=SimpleNamespace(averaging_timeout_s=30.0), runner=runner,
+                           notify_progress=lambda: woken.append(True))
+    steps = StepCoordinator(host)
+    for junk in ("6", True, 6.0, None, -1, 0):
+        steps.hear_clock_hint(junk)
+    assert woken == [], "only a step number is a hint"
+    steps.hear_clock_hint(10**9)
+    assert steps._clock_hint == 6 and len(woken) == 1, "a hint can only close the step the replica is on"
+    steps.hear_clock_hint(6)
+    assert len(woken) == 1, "the same hint again is no news"
+    runner.accum_step = 6
+    steps.hear_clock_hint(7)
+    assert steps._clock_hint == 7 and len(woken) == 2
+
+
 # ---- faults come from outside ----
 
 class _Handlers:

@@ -29,21 +29,24 @@ def no_sleep(monkeypatch):
 
 async def test_lower_stage_backward_is_retried(no_sleep):
     client, failures = _client(), [StageUnavailable("stage 0 empty"), StageUnavailable("stage 0 moving")]
+    hints = []
 
-    async def flaky(item, resend=False, prefer=None):
+    async def flaky(item, resend=False, prefer=None, clock_step=None):
+        hints.append(clock_step)
         if failures:
             raise failures.pop(0)
         return {"step": 3}
 
     client.backward = flaky
-    assert await client._backward_persistently(_item()) == {"step": 3}
+    assert await client._backward_persistently(_item(), clock_step=7) == {"step": 3}
     assert failures == []
+    assert hints == [7, 7, 7], "every retry tells the replica where the clock stage put the micro-batch"
 
 
 async def test_lower_stage_backward_gives_up_after_its_rounds(no_sleep):
     client, calls = _client(), []
 
-    async def dead(item, resend=False, prefer=None):
+    async def dead(item, resend=False, prefer=None, clock_step=None):
         calls.append(item.stage)
         raise StageUnavailable("stage 0 has no replicas")
 
@@ -56,7 +59,7 @@ async def test_lower_stage_backward_gives_up_after_its_rounds(no_sleep):
 async def test_lower_stage_backward_is_not_retried_when_refused(no_sleep):
     client, calls = _client(), []
 
-    async def refused(item, resend=False, prefer=None):
+    async def refused(item, resend=False, prefer=None, clock_step=None):
         calls.append(item.stage)
         raise Unauthorized("not in the allowlist")
 

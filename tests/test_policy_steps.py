@@ -10,6 +10,7 @@ from swarm.policy.steps import (
     DISTRUST_S, FIRST_STRIKE_S, ReplicaClaim, StageView, absent_claimants, clock_step, distrust_seconds, diverged, majority_state,
     must_wait, near_target, needs_resync, others_pending, overclaimers, stage_is_full, step_alone, step_is_due, rounds_before_stepping_alone, trusted_others, confirmed_below, majority_group, min_group_size, full_group_size, stage_mates,
     round_is_over, unborne_step_claims, NEAR_TARGET_S, near_threshold, seconds_between_reads,
+    clock_hint_needs_read, FOLLOWER_READ_S, AVERAGING_READ_S,
 )
 
 TARGET = 100
@@ -68,19 +69,56 @@ def test_a_slow_stage_is_near_its_target_only_in_the_last_seconds_before_it():
 
 
 def test_reads_slow_down_only_far_from_the_target_at_a_known_rate():
-    poll, announce = 0.25, 1.0
-    # unknown rate, near the target, or averaging: every poll period
+    poll, announce = 0.25, 60.0
+    # unknown rate while the stage holds samples, or nearly full: every poll period
     assert seconds_between_reads(view(samples_pending=10), poll, announce) == poll
-    assert seconds_between_reads(view(samples_pending=95, samples_per_s=2.0), poll, announce) == poll
-    assert seconds_between_reads(view(averaging=True, samples_per_s=2.0), poll, announce) == poll
+    assert seconds_between_reads(view(samples_pending=99, samples_per_s=2.0), poll, announce) == poll
+    assert seconds_between_reads(view(samples_pending=100, samples_per_s=2.0), poll, announce) == poll
     # far from it: the others re-announce only every announce period, so that is the pace of reads
-    assert seconds_between_reads(view(samples_pending=10, samples_per_s=2.0), poll, announce) == announce
+    assert seconds_between_reads(view(samples_pending=10, samples_per_s=2.0, others=(claim(),)), 0.25, 1.0) == 1.0
     assert seconds_between_reads(view(samples_pending=10, samples_per_s=0.0), poll, announce) == announce
     # but never past the moment the stage could come near: 40 samples short of half at 100 samples/s is 0.4 s
     assert seconds_between_reads(view(samples_pending=10, samples_per_s=100.0), poll, announce) == 0.4
-    assert seconds_between_reads(view(samples_pending=48, samples_per_s=100.0), poll, announce) == poll
     # a configuration whose poll period is not shorter keeps its poll period
     assert seconds_between_reads(view(samples_pending=10, samples_per_s=2.0), 2.0, 1.0) == 2.0
+
+
+def test_an_idle_stage_reads_once_an_announce_period_until_work_arrives():
+    poll, announce = 0.25, 60.0
+    assert seconds_between_reads(view(), poll, announce) == announce
+    # its own first backward, a mate that holds samples, or a mate that closed the step: reads resume
+    assert seconds_between_reads(view(samples_admitted=8), poll, announce) == poll
+    assert seconds_between_reads(view(others=(claim(pending=8),)), poll, announce) == poll
+    assert seconds_between_reads(view(others=(claim(accum_step=4),)), poll, announce) == poll
+
+
+def test_near_its_target_the_clock_reads_more_often_as_the_batch_fills():
+    poll, announce = 0.25, 60.0
+    # target 100 at 2 samples/s: 10 samples short is 5 s, read again after half of it; then closer together
+    periods = [seconds_between_reads(view(samples_pending=held, samples_per_s=2.0), poll, announce)
+               for held in (90, 95, 98, 99)]
+    assert periods == [2.5, 1.25, 0.5, 0.25]
+    # the others' claims count as held
+    assert seconds_between_reads(view(samples_pending=45, samples_per_s=2.0, others=(claim(pending=45),)),
+                                 poll, announce) == 2.5
+    # a stage that is not the clock reads every FOLLOWER_READ_S near its step: the trainers' hints close it
+    assert seconds_between_reads(view(is_clock=False, samples_pending=95, samples_per_s=2.0),
+                                 poll, announce) == FOLLOWER_READ_S
+    # while a step is averaged, reads only watch for the stage moving on without this replica
+    assert seconds_between_reads(view(averaging=True, samples_per_s=2.0), poll, announce) == AVERAGING_READ_S
+
+
+def test_a_trainers_hint_makes_a_stage_read_the_clock_once_and_closes_nothing_by_itself():
+    stage0 = view(is_clock=False, samples_pending=5, clock_steps=(3, 3))
+    assert clock_hint_needs_read(stage0, 4), "the clock put a micro-batch into step 4: our step 3 may be over"
+    assert not clock_hint_needs_read(stage0, 3), "the clock is on our step: nothing new"
+    assert not step_is_due(stage0), "the hint alone closes nothing: the clock's replicas must say so"
+    # once the clock's replicas confirmed it, the step is due and no further read is needed
+    assert step_is_due(replace(stage0, clock_steps=(4, 4))) and not clock_hint_needs_read(
+        replace(stage0, clock_steps=(4, 4)), 4)
+    # a mate that already closed the step makes it due without asking the clock
+    assert not clock_hint_needs_read(replace(stage0, others=(claim(accum_step=4),)), 4)
+    assert not clock_hint_needs_read(view(samples_pending=5), 4), "the clock stage takes no hints"
 
 
 def test_reserved_share_for_a_replica_still_on_the_previous_step():

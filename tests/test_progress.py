@@ -14,7 +14,7 @@ import swarm.server.progress as progress_module
 from swarm import PROTOCOL_VERSION
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError
-from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, clock_watch_period_s
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, FOLLOWER_READ_S, clock_watch_period_s
 from swarm.server.progress import MAX_ASKED, PROGRESS_FIELDS, SILENT_CALLS, StageProgress, progress_of
 
 RUN_HASH = "abcd"
@@ -125,8 +125,8 @@ async def test_with_many_stages_a_watcher_asks_a_clock_replica_once_a_clock_watc
     records = {pid: _record(pid, stage) for pid, stage in [("QmA", 0), ("QmB", 0), ("QmY", 63), ("QmZ", 63)]}
     watcher = StageProgress(_Peer("QmA", 0, num_stages=64))
     monkeypatch.setattr(watcher, "watches_clock", lambda records: True)
-    period = clock_watch_period_s(64, 2, 0.25)
-    assert period == pytest.approx(0.25 * 63 * 2 * 2 / 2 / 2)
+    period = clock_watch_period_s(64, 2, max(0.25, FOLLOWER_READ_S))
+    assert period == pytest.approx(FOLLOWER_READ_S * 63 * 2 * 2 / 2 / 2)
     assert watcher.whom_to_ask(records) == ["QmB", "QmY", "QmZ"]
     for pid in ("QmB", "QmY", "QmZ"):
         watcher.hear(progress_of(_record(pid, records[pid].stage)), pid)
@@ -134,6 +134,26 @@ async def test_with_many_stages_a_watcher_asks_a_clock_replica_once_a_clock_watc
     assert watcher.whom_to_ask(records) == ["QmB"], "the clock replicas were heard within the watch period"
     now[0] += period
     assert watcher.whom_to_ask(records) == ["QmB", "QmY", "QmZ"]
+
+
+async def test_a_trainers_hint_asks_the_clock_now_and_a_closed_step_is_told_to_every_mate(monkeypatch):
+    """A hint asks the clock's replicas whatever the clock-watch period, and them only; a replica that closed a
+    step tells the stage-mates that called it a moment ago too (their view of it is stale)."""
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    records = {pid: _record(pid, stage) for pid, stage in [("QmA", 0), ("QmB", 0), ("QmY", 1), ("QmZ", 1)]}
+    replica = StageProgress(_Peer("QmA", 0, num_stages=2))
+    watches = [False]
+    monkeypatch.setattr(replica, "watches_clock", lambda records: watches[0])
+    assert replica.whom_to_ask(records) == ["QmB"], "not a watcher: the clock is not asked on a read"
+    assert replica.whom_to_ask(records, mates=False, clock_now=True) == [], "nor on a hint: the watchers ask"
+    watches[0] = True
+    for pid in ("QmB", "QmY", "QmZ"):
+        replica.hear(progress_of(_record(pid, records[pid].stage)), pid)
+    now[0] += 0.1
+    assert replica.whom_to_ask(records) == [], "everyone was heard from within the poll period"
+    assert replica.whom_to_ask(records, mates=False, clock_now=True) == ["QmY", "QmZ"]
+    assert replica.whom_to_ask(records, tell=True) == ["QmB"]
 
 
 async def test_a_large_stage_is_asked_a_bounded_share_at_a_time_and_a_mate_that_just_called_is_not_asked(monkeypatch):

@@ -85,3 +85,14 @@ async def test_a_backward_reply_carries_the_replicas_ledger_fields_as_its_record
 
     peer.runner.backward = backward_then_stop
     assert "ledger_fields" not in await StageHandlers(peer).backward(request(2), CALLER)
+
+
+async def test_a_backward_passes_the_trainers_clock_hint_to_the_step_coordinator():
+    steps = BlockedSteps()
+    steps.room.set()
+    hints = []
+    steps.hear_clock_hint = hints.append
+    peer = fake_peer(steps)
+    await StageHandlers(peer).backward({**request(1), "clock_step": 6}, CALLER)
+    await StageHandlers(peer).backward(request(2), CALLER)
+    assert hints == [6], "a backward without a hint tells the coordinator nothing"

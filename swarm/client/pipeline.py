@@ -409,29 +409,40 @@ class PipelineClient:
         reply = await self.backward(item)
         loss = float(reply["loss"])
         grad = self.attack.last_grad_inputs(reply.get("grad_inputs"))
+        clock_step = int(reply["step"])  # checked by check_reply; tells the other stages the clock moved on
         for stage in reversed(range(last)):
             item = Contribution(micro_batch_id, stage, "", 0, int(inputs.shape[0]), stage_inputs[stage], grad, None)
-            grad = (await self._backward_persistently(item, prefer=forward_peers[stage])).get("grad_inputs")
+            reply = await self._backward_persistently(item, prefer=forward_peers[stage], clock_step=clock_step)
+            grad = reply.get("grad_inputs")
         return loss
 
     async def _backward_persistently(
-        self, item: Contribution, rounds: int = 3, prefer: Optional[str] = None
+        self, item: Contribution, rounds: int = 3, prefer: Optional[str] = None, clock_step: Optional[int] = None
     ) -> Dict[str, Any]:
         """Backward of a stage below the last: the stages above already counted this micro-batch,
         so giving up would leave them with samples this stage never saw. Retry a few rounds (a
         stage can be briefly without replicas while a peer moves) before failing the micro-batch."""
         for attempt in range(rounds - 1):
             try:
-                return await self.backward(item, prefer=prefer)
+                return await self.backward(item, prefer=prefer, clock_step=clock_step)
             except StageUnavailable as e:
                 logger.warning(f"backward of {item.micro_batch_id} at stage {item.stage} failed, retrying: {e}")
                 await asyncio.sleep(min(2.0 * 2**attempt, 10.0))
-        return await self.backward(item, prefer=prefer)
+        return await self.backward(item, prefer=prefer, clock_step=clock_step)
 
-    async def backward(self, item: Contribution, resend: bool = False, prefer: Optional[str] = None) -> Dict[str, Any]:
+    async def backward(
+        self,
+        item: Contribution,
+        resend: bool = False,
+        prefer: Optional[str] = None,
+        clock_step: Optional[int] = None,
+    ) -> Dict[str, Any]:
         """Run (or re-run) one stage's backward for a contribution and record where it landed; ``prefer``
-        is the replica that ran the micro-batch's forward (it may skip recomputing it)."""
+        is the replica that ran the micro-batch's forward (it may skip recomputing it); ``clock_step`` the step
+        the last stage accumulated the micro-batch into (the replica learns from it when the clock moved on)."""
         message: Dict[str, Any] = {"micro_batch_id": item.micro_batch_id, "inputs": item.inputs}
+        if clock_step is not None:
+            message["clock_step"] = clock_step
         if item.grad_outputs is not None:
             message["grad_outputs"] = item.grad_outputs
         if item.targets is not None:

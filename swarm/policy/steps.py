@@ -56,6 +56,7 @@ __all__ = [
     "round_is_over",
     "near_threshold",
     "seconds_between_reads",
+    "clock_hint_needs_read",
     "clock_watch_period_s",
     "CLOCK_ASKED",
     "CLOCK_WATCHERS",
@@ -64,6 +65,9 @@ __all__ = [
     "DISTRUST_S",
     "FIRST_STRIKE_S",
     "NEAR_TARGET_S",
+    "FOLLOWER_READ_S",
+    "AVERAGING_READ_S",
+    "APPROACH_SHARE",
 ]
 
 # a replica's claimed pending samples count at most this multiple of its fair share of the global batch
@@ -71,6 +75,12 @@ MAX_CLAIM_SHARE = 2.0
 DISTRUST_S = 120.0  # seconds a replica's claims are ignored once they proved false
 FIRST_STRIKE_S = 15.0  # seconds for a first failure that an honest replica can cause too
 NEAR_TARGET_S = 5.0  # a stage that reaches its global batch within this many seconds at its rate is near it
+# seconds between reads of a stage other than the clock near its step: the trainers' backward calls tell it when the
+# clock moved on (clock_hint_needs_read), so its own reads only cover a replica that no trainer calls
+FOLLOWER_READ_S = 1.0
+AVERAGING_READ_S = 1.0  # seconds between reads while a step is averaged (to notice the stage moved on without us)
+# near its target, the clock stage reads again once this share of the time it needs to fill the batch has passed
+APPROACH_SHARE = 0.5
 CLOCK_WATCHERS = 2  # replicas of each other stage that ask the clock stage for its step (the watchers)
 CLOCK_ASKED = 3  # replicas of the clock stage a watcher asks per read at most (its view of the clock's step)
 # progress calls one clock replica takes from the other stages' watchers per poll period, on average, at most
@@ -215,18 +225,49 @@ def near_target(view: StageView) -> bool:
 
 
 def seconds_between_reads(view: StageView, poll_period_s: float, announce_period_s: float) -> float:
-    """How long a replica waits before it reads its stage's records again.
+    """How long a replica waits before it asks its stage-mates (and the clock stage) for their progress again.
 
-    Near the target, while a step is averaged, or while the stage's rate is not known: ``poll_period_s``,
-    since a step closes on what the reads show. Otherwise the other replicas re-announce only every
-    ``announce_period_s``, so reading more often than that finds nothing new: every ``announce_period_s``,
-    but no later than the stage could come near its target at its observed rate."""
-    if view.averaging or view.samples_per_s is None or announce_period_s <= poll_period_s or near_target(view):
+    The other replicas re-announce only every ``announce_period_s``, so far from a step that is the pace of
+    reads, but no later than the stage could come near its target at its observed rate. A stage that holds no
+    samples and has no rate yet is idle: it reads once an announce period too (its first backward, or a
+    stage-mate's call, wakes the coordinator, and the decision is taken again). While a step is averaged:
+    every :data:`AVERAGING_READ_S` (the averaging group needs no reads; they only notice the stage stepped on
+    without this replica). Near the target, the clock stage closes the step on what its reads show: it reads
+    again after :data:`APPROACH_SHARE` of the time the stage needs to fill the batch at its rate, so reads come
+    closer together as the step nears (a few per step, not one every poll period), and every poll period once
+    the batch is nearly full or the rate is unknown. Any other stage closes its step when the clock has: the
+    trainers' backward calls say when (:func:`clock_hint_needs_read`), so near the target it reads only every
+    :data:`FOLLOWER_READ_S`."""
+    if announce_period_s <= poll_period_s:
         return poll_period_s
+    if view.averaging:
+        return min(announce_period_s, max(poll_period_s, AVERAGING_READ_S))
+    held = _held(view)
+    if view.samples_per_s is None:
+        idle = held <= 0 and not any(claim.accum_step > view.accum_step for claim in view.others)
+        return announce_period_s if idle else poll_period_s
+    if near_target(view):
+        if not view.is_clock:
+            return min(announce_period_s, max(poll_period_s, FOLLOWER_READ_S))
+        if view.samples_per_s <= 0:
+            return poll_period_s
+        until_full = (view.target_batch_size - held) / view.samples_per_s
+        return min(announce_period_s, max(poll_period_s, APPROACH_SHARE * until_full))
     if view.samples_per_s <= 0:
         return announce_period_s
-    until_near = (near_threshold(view) - _held(view)) / view.samples_per_s
+    until_near = (near_threshold(view) - held) / view.samples_per_s
     return min(announce_period_s, max(poll_period_s, until_near))
+
+
+def clock_hint_needs_read(view: StageView, hinted_step: int) -> bool:
+    """Whether a stage other than the clock reads the clock stage's replicas now, because a trainer's backward
+    call said that the clock accumulates for ``hinted_step`` (the step its part of the micro-batch went into).
+    A hint is only a reason to ask: the step closes on what the clock's replicas answer
+    (:func:`step_is_due`), so a trainer that lies costs one read, not a step. Not when the step is due
+    already or the hint says nothing new."""
+    if view.is_clock or hinted_step <= view.accum_step or step_is_due(view):
+        return False
+    return not view.clock_steps or clock_step(view.clock_steps) < hinted_step
 
 
 def clock_watch_period_s(num_stages: int, clock_replicas: int, poll_period_s: float) -> float:

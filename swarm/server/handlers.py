@@ -10,7 +10,9 @@ the same parameters. A backward reply also carries the replica's ``ledger_fields
 (:mod:`swarm.dht.ledger_fields`): the steps it applied and whether its own gradients were in them, which the
 trainer's ledger settles by between its reads of the DHT. A backward with ``verify: true`` computes the same
 reply without accumulating anything: a trainer checking another replica's reply (it passes the same per-caller
-limits as any call).
+limits as any call). A backward to any stage but the last may carry ``clock_step``, the step the last stage
+accumulated the same micro-batch into: that is how a replica learns when the clock stage moved on without
+polling it (a hint it confirms with the clock's replicas, :meth:`StepCoordinator.hear_clock_hint`).
 
 A forward that carries a ``micro_batch_id`` is a training forward: the replica keeps its graph (see
 :mod:`swarm.server.forward_cache`) so that the micro-batch's backward, if it comes back here, need not
@@ -197,6 +199,8 @@ class StageHandlers:
             return await self._verify_backward(request)
         micro_batch_id = check_micro_batch_id(request.get("micro_batch_id"), caller)
         steps, runner = served(peer.steps, "step coordinator"), served(peer.runner, "runner")
+        if "clock_step" in request:  # where the clock stage put this micro-batch: tells when the clock moved on
+            steps.hear_clock_hint(request["clock_step"])
         admitted = False
         # a caller that gives up (its call cancelled) while this waits for room leaves nothing in flight
         with peer.compute.serving():

@@ -67,5 +67,10 @@ class Records(Protocol):
     """The run's peer records as the peer reads them."""
 
     async def fetch_records(
-        self, ask: bool = False, fresh: bool = False, every_stage: bool = False
+        self,
+        ask: bool = False,
+        fresh: bool = False,
+        every_stage: bool = False,
+        tell: bool = False,
+        ask_clock: bool = False,
     ) -> Dict[str, PeerRecord]: ...

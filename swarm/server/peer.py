@@ -331,14 +331,21 @@ class StagePeer:
     # ---- shared by the mechanisms ----
 
     async def fetch_records(
-        self, ask: bool = False, fresh: bool = False, every_stage: bool = False
+        self,
+        ask: bool = False,
+        fresh: bool = False,
+        every_stage: bool = False,
+        tell: bool = False,
+        ask_clock: bool = False,
     ) -> Dict[str, PeerRecord]:
         """The run's peer records as this peer sees them; records of peers with other run settings are left out.
 
         Its own stage and the clock stage (whose replicas tell the step) are read from the DHT at most once an
         announce period (records are stored no more often), the other stages only with ``every_stage`` (to
         rebalance); the records its stage-mates and the clock stage's replicas sent or answered by progress
-        calls (:mod:`.progress`) replace the DHT's copies, and with ``ask`` they are asked for them now. With
+        calls (:mod:`.progress`) replace the DHT's copies, and with ``ask`` they are asked for them now (with ``tell``
+        even those heard from within the poll period: this peer's progress changed; with ``ask_clock`` the clock
+        stage's replicas, whatever the clock-watch period). With
         ``fresh`` every stage is read from the DHT now, from every node near its keys (choosing a stage to join). Connects
         p2pd to the stage-mates it is not connected to yet, at the addresses they announce: averaging and
         state downloads reach them by peer id alone."""
@@ -352,8 +359,8 @@ class StagePeer:
         if due:
             await directory.read(due, whole=fresh)
         records = self._same_run(directory.records())
-        if ask and self.stage is not None:
-            await self.progress.ask(self.progress.whom_to_ask(records))
+        if (ask or ask_clock) and self.stage is not None:
+            await self.progress.ask(self.progress.whom_to_ask(records, mates=ask, tell=tell, clock_now=ask_clock))
         records = self.progress.merged(records, period)
         if self.dialer is not None:
             await self.dialer.ensure_all(

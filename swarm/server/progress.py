@@ -5,7 +5,9 @@ replicas of a stage to close a step on target, and reading the DHT many times a 
 peer more than the activations it carries. So the step coordinator asks its stage-mates (and, on any
 stage but the last, the clock stage's replicas) for their current record with a ``progress`` call, as
 often as the step policy says it must look (:func:`swarm.policy.steps.seconds_between_reads`: rarely
-far from a step, every poll period near one). The call carries the caller's own record, so one call
+far from a step, a few times as the clock stage fills its batch, every :data:`~swarm.policy.steps.FOLLOWER_READ_S`
+on the other stages, whose step closes when a trainer's backward call says the clock moved on and the clock's
+replicas confirm it). A replica that closes a step tells its stage-mates at once. The call carries the caller's own record, so one call
 tells each side of the other, and a replica that just joined is known to the replicas it calls before
 its DHT record is read.
 
@@ -17,7 +19,7 @@ does not ask a stage-mate that called it within the poll period (that call told 
 most ``MAX_ASKED`` stage-mates (those it heard from longest ago, so a large stage is covered over a few
 reads); and on each stage but the last, ``CLOCK_WATCHERS`` replicas ask ``CLOCK_ASKED`` replicas of the
 clock stage, whose step is the median of what they answer, and the others follow them; with many stages, each
-clock replica less often than every poll period (:func:`swarm.policy.steps.clock_watch_period_s`). A
+clock replica less often (:func:`swarm.policy.steps.clock_watch_period_s`). A
 replica that does not answer keeps its last known record for ``SILENT_CALLS`` calls in a row, then drops
 out of the view; it is asked again once an announce period until it answers.
 """
@@ -37,7 +39,7 @@ from hivemind.utils import get_logger
 
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError, call_peer
-from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, clock_watch_period_s
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, FOLLOWER_READ_S, clock_watch_period_s
 from swarm.server.host import CurrentStage, Settings, served
 
 __all__ = [
@@ -150,11 +152,20 @@ class StageProgress:
 
     # ---- asking ----
 
-    def whom_to_ask(self, records: Mapping[str, PeerRecord]) -> List[str]:
-        """The replicas whose progress the step protocol needs now: up to ``MAX_ASKED`` stage-mates and, on any
-        stage but the last, ``CLOCK_ASKED`` replicas of the clock stage, those heard from longest ago first (so
-        a large stage is covered over a few reads); not those that called within the poll period, and a silent
-        one at most once an announce period."""
+    def whom_to_ask(
+        self, records: Mapping[str, PeerRecord], mates: bool = True, tell: bool = False, clock_now: bool = False
+    ) -> List[str]:
+        """The replicas whose progress the step protocol needs now: up to ``MAX_ASKED`` stage-mates (with ``mates``)
+        and, on any stage but the last, ``CLOCK_ASKED`` replicas of the clock stage, those heard from longest ago
+        first (so a large stage is covered over a few reads); a silent one at most once an announce period.
+
+        Not the stage-mates that called within the poll period (that call told both sides), unless ``tell``: this
+        replica's own progress changed in a way they must learn at once (it closed a step). The clock stage's
+        replicas only if this replica watches the clock (:meth:`watches_clock`: a few replicas of the stage, so
+        that the clock's replicas take a bounded number of calls however many replicas the other stages have),
+        and not within the clock-watch period, unless ``clock_now`` (a trainer's backward call said the clock
+        moved on: :func:`swarm.policy.steps.clock_hint_needs_read`). The other replicas learn it from the
+        watcher that closes the step (it tells them)."""
         peer, now = self.peer, time.monotonic()
         stage, last = served(peer.stage, "stage"), peer.run.num_stages - 1
 
@@ -171,10 +182,13 @@ class StageProgress:
             return due[:count]
 
         poll_s = peer.config.poll_period_s
-        asked = oldest_news(stage, ("online", "leaving", "joining"), MAX_ASKED, poll_s)
-        if stage != last and self.watches_clock(records):
+        asked = (
+            oldest_news(stage, ("online", "leaving", "joining"), MAX_ASKED, 0.0 if tell else poll_s) if mates else []
+        )
+        if stage != last and (clock_now or mates) and self.watches_clock(records):
             clock = sum(r.stage == last and r.state in ("online", "leaving") for r in records.values())
-            period_s = clock_watch_period_s(peer.run.num_stages, clock, poll_s)
+            read_s = max(poll_s, FOLLOWER_READ_S)
+            period_s = 0.0 if clock_now else clock_watch_period_s(peer.run.num_stages, clock, read_s)
             asked += oldest_news(last, ("online", "leaving"), CLOCK_ASKED, period_s)
         for peer_id in asked:
             if self.silent.get(peer_id, 0) >= SILENT_CALLS:

@@ -27,6 +27,7 @@ from swarm.policy.steps import (
     StageView,
     absent_claimants,
     confirmed_below,
+    clock_hint_needs_read,
     distrust_seconds,
     majority_group,
     full_group_size,
@@ -120,6 +121,8 @@ class StepCoordinator:
         self.samples_per_s: Optional[float] = None  # what the whole stage accumulates, from successive reads
         self._last_read: Optional[Tuple[float, int, int]] = None  # (monotonic time, accum step, stage's pending)
         self._asked_at = -math.inf  # when the stage-mates were last asked for their progress (monotonic)
+        self._clock_hint = 0  # the highest clock step a trainer's backward call reported (a hint, not a fact)
+        self._hint_read = 0  # the hint for which the clock stage was last asked
         self.allreduce_bytes = 0  # the averager's robust-round bytes (sent and received), as of its last round
 
     # ---- the view the policy decides on ----
@@ -259,16 +262,33 @@ class StepCoordinator:
             period = seconds_between_reads(self.view(), peer.config.poll_period_s, peer.config.announce_period_s)
             await peer.sleep_or_progress("coordinate", period, FAST_PERIOD_S)
 
+    def hear_clock_hint(self, step: object) -> None:
+        """A trainer's backward call says the clock stage accumulated its part of the micro-batch into ``step``:
+        if that is news, the coordinator wakes and asks the clock's replicas (:func:`clock_hint_needs_read`).
+        Anything but a plausible step number is ignored: the hint is the trainer's, not a replica's, word."""
+        if isinstance(step, bool) or not isinstance(step, int) or step <= self._clock_hint:
+            return
+        runner = self.peer.runner
+        if runner is not None and step > runner.accum_step + 1:
+            step = runner.accum_step + 1  # what a hint can make this replica do is close the step it is on
+        if step > self._clock_hint:
+            self._clock_hint = step
+            self.peer.notify_progress()
+
     async def _read_view(self) -> StageView:
         """The view after a read of the stage's records: the DHT's, at most once an announce period, and the
         replicas' own answers to progress calls, once :func:`seconds_between_reads` passed since they were last
         asked (a wake-up in between, for gradients this replica accumulated or progress a replica sent,
-        decides on what is known)."""
-        config, now = self.peer.config, time.monotonic()
-        ask = now - self._asked_at >= seconds_between_reads(self.view(), config.poll_period_s, config.announce_period_s)
+        decides on what is known); and the clock stage's replicas' answers as soon as a trainer's hint says
+        the clock moved on."""
+        config, now, view = self.peer.config, time.monotonic(), self.view()
+        ask = now - self._asked_at >= seconds_between_reads(view, config.poll_period_s, config.announce_period_s)
+        hinted = self._clock_hint > self._hint_read and clock_hint_needs_read(view, self._clock_hint)
         if ask:
             self._asked_at = now
-        self._observe(await self.peer.fetch_records(ask=ask))
+        if hinted:
+            self._hint_read = self._clock_hint
+        self._observe(await self.peer.fetch_records(ask=ask, ask_clock=hinted))
         self._measure_rate(self.view())
         return self.view()
 
@@ -317,7 +337,7 @@ class StepCoordinator:
         if frozen.step != self._failed_step:
             # tell the stage-mates at once that this step is closed: they close it too and join the all-reduce
             self._asked_at = time.monotonic()
-            await peer.fetch_records(ask=True)
+            await peer.fetch_records(ask=True, tell=True)
             self._failed_step, self._failed_rounds = frozen.step, 0
         mates = stage_mates(view)
         if not mates:

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
 from swarm.policy.directory import level_for, mean_probe_levels, shard_count, write_levels
-from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, clock_watch_period_s
+from swarm.policy.steps import (
+    APPROACH_SHARE,
+    AVERAGING_READ_S,
+    CLOCK_ASKED,
+    CLOCK_WATCHERS,
+    FOLLOWER_READ_S,
+    clock_watch_period_s,
+)
 
 __all__ = [
     "TrafficModel",
@@ -34,6 +41,7 @@ __all__ = [
     "shard_value_bytes",
     "per_peer_bytes_per_s",
     "progress_bytes_per_s",
+    "approach_reads",
     "trainer_bytes_per_s",
     "calibrate",
     "MESSAGE_CAP_BYTES",
@@ -126,34 +134,56 @@ def calibrate(model: TrafficModel, measured: Sequence[tuple]) -> TrafficModel:
 
 @dataclass(frozen=True)
 class ProgressModel:
-    """Progress calls between replicas (:mod:`swarm.server.progress`): made only near a global step, every poll
-    period, each one exchange of two small messages."""
+    """Progress calls between replicas (:mod:`swarm.server.progress`), each one exchange of two small messages:
+    made near a global step (the clock stage a few times as it fills its batch, the others every
+    ``FOLLOWER_READ_S``), once when a replica closes a step, once per step by a replica of another stage that a
+    trainer tells the clock moved on, and while a step is averaged."""
 
     exchange_bytes: float  # one call on the wire, request and reply: payloads, framing and TCP/IP headers
     poll_period_s: float = 0.25  # live PeerConfig.poll_period_s
     near_s: float = 5.0  # swarm.policy.steps.NEAR_TARGET_S: how long before a step replicas call each other
     step_s: float = 60.0  # seconds a global step takes
+    averaging_s: float = 5.0  # seconds a step's all-reduce takes
     max_asked: int = 8  # swarm.server.progress.MAX_ASKED
+
+
+def approach_reads(near_s: float, poll_period_s: float) -> int:
+    """Reads of the clock stage's replica while it fills its batch (:func:`swarm.policy.steps.seconds_between_reads`):
+    each one after ``APPROACH_SHARE`` of the time left, and every poll period in the last ones."""
+    reads, left = 0, near_s
+    while left > 0:
+        wait = max(poll_period_s, APPROACH_SHARE * left)
+        reads, left = reads + 1, left - wait
+    return reads
 
 
 def progress_bytes_per_s(model: ProgressModel, num_peers: int, num_stages: int) -> Dict[str, float]:
     """Bytes per second of progress calls through one replica, averaged over a step: ``peer`` for a replica of
-    a stage that is not the last, ``clock_peer`` for one of the last (which the other stages' watchers ask).
+    a stage that is not the last, ``clock_peer`` for one of the last (which the other stages ask).
 
-    A replica asks at most ``max_asked`` stage-mates a period and is asked by as many (a mate that called is
-    not asked back in the same period, so this bounds it from above); of each other stage ``CLOCK_WATCHERS``
-    replicas also ask ``CLOCK_ASKED`` clock replicas, once a clock-watch period
-    (:func:`swarm.policy.steps.clock_watch_period_s`: a poll period, longer with many stages)."""
+    Per step, a replica makes its reads (:func:`approach_reads` on the clock stage, one every
+    ``FOLLOWER_READ_S`` of the near window elsewhere, one every ``AVERAGING_READ_S`` of the all-reduce) and one
+    call to tell its mates it closed the step, each asking at most ``max_asked`` stage-mates, and is asked as
+    often by them (a mate that called is not asked back in the same period, so this bounds it from above). The
+    ``CLOCK_WATCHERS`` of every other stage also ask ``CLOCK_ASKED`` clock replicas, once a clock-watch period
+    (:func:`swarm.policy.steps.clock_watch_period_s`) of their reads and once per step when a trainer tells
+    them the clock moved on; every such call lands on one of the clock's replicas."""
     replicas = max(1, math.ceil(num_peers / num_stages))
-    near = min(1.0, model.near_s / model.step_s)
-    calls_per_s = near / model.poll_period_s
+    near_s = min(model.near_s, model.step_s)
+    averaging = math.ceil(model.averaging_s / max(model.poll_period_s, AVERAGING_READ_S))
+    follower_s = max(model.poll_period_s, FOLLOWER_READ_S)
+    clock_reads = approach_reads(near_s, model.poll_period_s) + averaging + 1
+    follower_reads = math.ceil(near_s / follower_s) + averaging + 1
     mates = 2 * min(model.max_asked, replicas - 1)
-    slower = clock_watch_period_s(num_stages, replicas, model.poll_period_s) / model.poll_period_s
-    watcher_share = CLOCK_WATCHERS / replicas * min(CLOCK_ASKED, replicas) / slower
-    clock_in = (num_stages - 1) * CLOCK_WATCHERS * min(CLOCK_ASKED, replicas) / replicas / slower
+    watch_s = clock_watch_period_s(num_stages, replicas, follower_s)
+    asked = min(CLOCK_ASKED, replicas)
+    # per step, made by one replica of another stage: a watcher's reads and the read a hint makes
+    clock_calls = min(CLOCK_WATCHERS, replicas) / replicas * asked * (math.ceil(near_s / watch_s) + 1)
+    clock_in = (num_stages - 1) * clock_calls  # per step, taken by one clock replica (as many replicas per stage)
+    per_s = model.exchange_bytes / model.step_s
     return {
-        "peer": calls_per_s * model.exchange_bytes * (mates + (watcher_share if num_stages > 1 else 0.0)),
-        "clock_peer": calls_per_s * model.exchange_bytes * (mates + clock_in),
+        "peer": per_s * (follower_reads * mates + (clock_calls if num_stages > 1 else 0.0)),
+        "clock_peer": per_s * (clock_reads * mates + (clock_in if num_stages > 1 else 0.0)),
     }
 
 

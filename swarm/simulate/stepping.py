@@ -20,8 +20,8 @@ Model (documented simplifications):
   current rates, the policy's figures (held, pending) could cross the near threshold or the target,
   and whenever the engine's flow changes the clock's replicas announce, their rates are re-read and
   that instant re-predicted.
-  Other stages are checked one clock-watch period after the clock applies a step (a poll period, longer
-  with many stages: :func:`swarm.policy.steps.clock_watch_period_s`), when a replica joins, and
+  Other stages are checked one poll period after the clock applies a step (the trainers' next backward
+  calls tell them, and one progress call to the clock's replicas confirms it), when a replica joins, and
   every ``idle_check_period_s``; their rates are re-read at their checks only. Every replica reads the same
   snapshot (claims are refreshed at every check), so the view of the replica with the lowest id
   among those able to act decides when the stage closes and whether new gradients must wait;
@@ -49,7 +49,6 @@ from swarm.policy.steps import (
     ReplicaClaim,
     StageView,
     absent_claimants,
-    clock_watch_period_s,
     distrust_seconds,
     full_group_size,
     majority_state,
@@ -555,7 +554,6 @@ class StepSim:
             if step > len(self.report.step_times_s):  # a step applied alone after the others' does not count twice
                 self.report.step_times_s.append(now)
                 self.report.step_samples.append(sum(gathered.values()))
-            clock = len(stage.replicas)
-            watch_s = clock_watch_period_s(len(self.stages), clock, self.config.poll_period_s)
+            # the other stages hear of it from the trainers' next backward calls, and ask the clock's replicas
             for other in self.stages[:-1]:
-                self._schedule(other, now + watch_s)
+                self._schedule(other, now + self.config.poll_period_s)
