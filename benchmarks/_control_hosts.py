@@ -242,6 +242,7 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         per_peer.append({"link": moved, "data": data[host], "allreduce": allreduce, "steps": steps,
                          "allreduce_counted": counted, "control": max(0.0, control)})
     per_trainer = [p2pd[h] / elapsed for h in trainer_hosts]
+    rpc = _rpc_bytes_by_method(scraped, scraped_after, elapsed)
     by_remote = _by_remote_kind(hosts, layout, log, peer_hosts, trainer_hosts, per_peer, elapsed)
     control = [p["control"] / elapsed for p in per_peer]
     return {
@@ -264,7 +265,22 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         "source": "live",
         "_control_per_peer": [round(c, 1) for c in control],
         "control_by_stage_and_remote": by_remote,
+        "rpc_payload_bytes_per_s_per_peer_by_method": rpc,
     }
+
+
+def _rpc_bytes_by_method(before: List[Tuple[Dict[str, float], int]], after: List[Tuple[Dict[str, float], int]],
+                         elapsed: float) -> Dict[str, float]:
+    """Mean over the peers of the payload bytes per second of their RPCs (sent and received, requests and replies)
+    by method, from ``swarm_rpc_bytes_total``: which call the peers' p2pd traffic is made of, before framing."""
+    sums: Dict[str, float] = {}
+    for (b, _), (a, _) in zip(before, after):
+        for name, value in a.items():
+            if name.startswith("swarm_rpc_bytes_total{"):
+                method = name.split('method="', 1)[1].split('"', 1)[0] if 'method="' in name else "?"
+                sums[method] = sums.get(method, 0.0) + value - b.get(name, 0.0)
+    peers = max(1, len(after))
+    return {method: round(total / peers / elapsed, 1) for method, total in sorted(sums.items()) if total > 0}
 
 
 def _by_remote_kind(hosts: Hosts, layout: Layout, log: _ConnectionLog, peer_hosts: List[int],

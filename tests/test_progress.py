@@ -14,7 +14,7 @@ import swarm.server.progress as progress_module
 from swarm import PROTOCOL_VERSION
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError
-from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, FOLLOWER_READ_S, clock_watch_period_s
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCH_S, CLOCK_WATCHERS, clock_watch_period_s
 from swarm.server.progress import MAX_ASKED, PROGRESS_FIELDS, SILENT_CALLS, StageProgress, progress_of
 
 RUN_HASH = "abcd"
@@ -125,8 +125,8 @@ async def test_with_many_stages_a_watcher_asks_a_clock_replica_once_a_clock_watc
     records = {pid: _record(pid, stage) for pid, stage in [("QmA", 0), ("QmB", 0), ("QmY", 63), ("QmZ", 63)]}
     watcher = StageProgress(_Peer("QmA", 0, num_stages=64))
     monkeypatch.setattr(watcher, "watches_clock", lambda records: True)
-    period = clock_watch_period_s(64, 2, max(0.25, FOLLOWER_READ_S))
-    assert period == pytest.approx(FOLLOWER_READ_S * 63 * 2 * 2 / 2 / 2)
+    period = clock_watch_period_s(64, 2, max(0.25, CLOCK_WATCH_S))
+    assert period == pytest.approx(CLOCK_WATCH_S * 63 * 2 * 2 / 2 / 2)
     assert watcher.whom_to_ask(records) == ["QmB", "QmY", "QmZ"]
     for pid in ("QmB", "QmY", "QmZ"):
         watcher.hear(progress_of(_record(pid, records[pid].stage)), pid)

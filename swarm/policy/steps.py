@@ -66,6 +66,7 @@ __all__ = [
     "FIRST_STRIKE_S",
     "NEAR_TARGET_S",
     "FOLLOWER_READ_S",
+    "CLOCK_WATCH_S",
     "AVERAGING_READ_S",
     "APPROACH_SHARE",
 ]
@@ -78,6 +79,9 @@ NEAR_TARGET_S = 5.0  # a stage that reaches its global batch within this many se
 # seconds between reads of a stage other than the clock near its step: the trainers' backward calls tell it when the
 # clock moved on (clock_hint_needs_read), so its own reads only cover a replica that no trainer calls
 FOLLOWER_READ_S = 1.0
+# seconds between a clock watcher's own reads of the clock stage, at least (clock_watch_period_s): the trainers' hints
+# close the steps; these reads cover a stage whose replicas no trainer's backward reaches with news
+CLOCK_WATCH_S = 5.0
 AVERAGING_READ_S = 1.0  # seconds between reads while a step is averaged (to notice the stage moved on without us)
 # near its target, the clock stage reads again once this share of the time it needs to fill the batch has passed
 APPROACH_SHARE = 0.5
@@ -271,11 +275,13 @@ def clock_hint_needs_read(view: StageView, hinted_step: int) -> bool:
 
 
 def clock_watch_period_s(num_stages: int, clock_replicas: int, poll_period_s: float) -> float:
-    """How often a watcher asks the clock stage's replicas while its stage is near a step: every poll period, or
-    as much less often as keeps the calls one clock replica takes from every other stage's watchers to
-    ``CLOCK_CALLS_PER_POLL`` a poll period. A stage other than the clock never waits for the clock's step (it
-    accumulates on), so hearing of it later only moves a few of its samples into the step it is closing: no
-    throughput is lost, and a clock replica's traffic stays flat however many stages the model has."""
+    """How often a watcher asks the clock stage's replicas on its own reads while its stage is near a step (a
+    trainer's hint makes it ask at once, :func:`clock_hint_needs_read`): every ``poll_period_s`` (the caller
+    passes :data:`CLOCK_WATCH_S`), or as much less often as keeps the calls one clock replica takes from every
+    other stage's watchers to ``CLOCK_CALLS_PER_POLL`` such periods. A stage other than the clock never waits
+    for the clock's step (it accumulates on), so hearing of it later only moves a few of its samples into the
+    step it is closing: no throughput is lost, and a clock replica's traffic stays flat however many stages the
+    model has."""
     if num_stages < 2 or clock_replicas < 1:
         return poll_period_s
     calls = (num_stages - 1) * CLOCK_WATCHERS * min(CLOCK_ASKED, clock_replicas) / clock_replicas

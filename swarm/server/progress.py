@@ -39,7 +39,7 @@ from hivemind.utils import get_logger
 
 from swarm.dht.records import PeerRecord
 from swarm.net.rpc import RemoteError, call_peer
-from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCHERS, FOLLOWER_READ_S, clock_watch_period_s
+from swarm.policy.steps import CLOCK_ASKED, CLOCK_WATCH_S, CLOCK_WATCHERS, clock_watch_period_s
 from swarm.server.host import CurrentStage, Settings, served
 
 __all__ = [
@@ -187,8 +187,8 @@ class StageProgress:
         )
         if stage != last and (clock_now or mates) and self.watches_clock(records):
             clock = sum(r.stage == last and r.state in ("online", "leaving") for r in records.values())
-            read_s = max(poll_s, FOLLOWER_READ_S)
-            period_s = 0.0 if clock_now else clock_watch_period_s(peer.run.num_stages, clock, read_s)
+            watch_s = max(poll_s, CLOCK_WATCH_S)
+            period_s = 0.0 if clock_now else clock_watch_period_s(peer.run.num_stages, clock, watch_s)
             asked += oldest_news(last, ("online", "leaving"), CLOCK_ASKED, period_s)
         for peer_id in asked:
             if self.silent.get(peer_id, 0) >= SILENT_CALLS:

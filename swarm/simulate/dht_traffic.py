@@ -30,6 +30,7 @@ from swarm.policy.steps import (
     APPROACH_SHARE,
     AVERAGING_READ_S,
     CLOCK_ASKED,
+    CLOCK_WATCH_S,
     CLOCK_WATCHERS,
     FOLLOWER_READ_S,
     clock_watch_period_s,
@@ -175,7 +176,7 @@ def progress_bytes_per_s(model: ProgressModel, num_peers: int, num_stages: int) 
     clock_reads = approach_reads(near_s, model.poll_period_s) + averaging + 1
     follower_reads = math.ceil(near_s / follower_s) + averaging + 1
     mates = 2 * min(model.max_asked, replicas - 1)
-    watch_s = clock_watch_period_s(num_stages, replicas, follower_s)
+    watch_s = clock_watch_period_s(num_stages, replicas, max(model.poll_period_s, CLOCK_WATCH_S))
     asked = min(CLOCK_ASKED, replicas)
     # per step, made by one replica of another stage: a watcher's reads and the read a hint makes
     clock_calls = min(CLOCK_WATCHERS, replicas) / replicas * asked * (math.ceil(near_s / watch_s) + 1)
