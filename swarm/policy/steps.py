@@ -117,7 +117,8 @@ class StageView:
     digest: str
     averaging: bool  # a frozen step is being averaged now
     others: Tuple[ReplicaClaim, ...] = ()  # the other online replicas of the stage (trusted ones only)
-    clock_steps: Tuple[int, ...] = ()  # steps announced by the clock stage's online or leaving replicas
+    # the steps the clock stage's online or leaving replicas accumulate for (a replica that froze step s is on s + 1)
+    clock_steps: Tuple[int, ...] = ()
     overlap_averaging: bool = False
     # the other online replicas whose announced state counts (all but the banned and those that served a false
     # state); None = ``others``. Wider than ``others``: a replica whose claims about pending work are ignored

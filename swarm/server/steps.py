@@ -27,6 +27,7 @@ from swarm.policy.steps import (
     StageView,
     absent_claimants,
     confirmed_below,
+    FOLLOWER_READ_S,
     clock_hint_needs_read,
     distrust_seconds,
     majority_group,
@@ -122,7 +123,7 @@ class StepCoordinator:
         self._last_read: Optional[Tuple[float, int, int]] = None  # (monotonic time, accum step, stage's pending)
         self._asked_at = -math.inf  # when the stage-mates were last asked for their progress (monotonic)
         self._clock_hint = 0  # the highest clock step a trainer's backward call reported (a hint, not a fact)
-        self._hint_read = 0  # the hint for which the clock stage was last asked
+        self._hint_read = (0, -math.inf)  # the hint for which the clock stage was last asked, and when (monotonic)
         self.allreduce_bytes = 0  # the averager's robust-round bytes (sent and received), as of its last round
 
     # ---- the view the policy decides on ----
@@ -175,8 +176,10 @@ class StepCoordinator:
         self._others = trusted_others(claims, {**self._distrusted, **self._banned})
         self._voters = trusted_others(claims, {**self._state_distrusted, **self._banned})
         last = peer.run.num_stages - 1
+        # the step each clock replica accumulates for: once a majority froze step s (moved on to s + 1), the
+        # micro-batches that reach this stage next went into the clock's s + 1, so this stage closes s too
         self._clock_steps = tuple(
-            r.step
+            r.accum_step
             for r in records.values()
             if r.stage == last and r.state in ("online", "leaving") and r.peer_id not in self._distrusted
         )
@@ -283,11 +286,15 @@ class StepCoordinator:
         the clock moved on."""
         config, now, view = self.peer.config, time.monotonic(), self.view()
         ask = now - self._asked_at >= seconds_between_reads(view, config.poll_period_s, config.announce_period_s)
-        hinted = self._clock_hint > self._hint_read and clock_hint_needs_read(view, self._clock_hint)
+        # a hint is read at once, and again every FOLLOWER_READ_S while the clock's replicas do not bear it out
+        # (their answers raced the step): a trainer that lies costs a read a second, as the plain reads do
+        last_hint, read_at = self._hint_read
+        news = self._clock_hint > last_hint or now - read_at >= FOLLOWER_READ_S
+        hinted = news and clock_hint_needs_read(view, self._clock_hint)
         if ask:
             self._asked_at = now
         if hinted:
-            self._hint_read = self._clock_hint
+            self._hint_read = (self._clock_hint, now)
         self._observe(await self.peer.fetch_records(ask=ask, ask_clock=hinted))
         self._measure_rate(self.view())
         return self.view()

@@ -348,7 +348,9 @@ class StepSim:
         return sum(r.rate for r in stage.replicas.values() if r.active(self.now) and not r.waiting)
 
     def _clock_steps(self) -> Tuple[int, ...]:
-        return tuple(r.step for r in self.stages[-1].replicas.values())
+        # the steps the clock's replicas accumulate for; a simulated replica moves on when it applies a step, not
+        # when it freezes one, so the other stages close theirs an all-reduce later than the live ones do
+        return tuple(r.accum_step for r in self.stages[-1].replicas.values())
 
     # ---- the protocol ----
 
