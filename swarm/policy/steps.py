@@ -268,8 +268,9 @@ def clock_hint_needs_read(view: StageView, hinted_step: int) -> bool:
     """Whether a stage other than the clock reads the clock stage's replicas now, because a trainer's backward
     call said that the clock accumulates for ``hinted_step`` (the step its part of the micro-batch went into).
     A hint is only a reason to ask: the step closes on what the clock's replicas answer
-    (:func:`step_is_due`), so a trainer that lies costs one read, not a step. Not when the step is due
-    already or the hint says nothing new."""
+    (:func:`step_is_due`), so a trainer that lies costs reads (the caller repeats an unconfirmed hint's read
+    at most once a :data:`FOLLOWER_READ_S`), not a step. Not when the step is due already or the hint says
+    nothing new."""
     if view.is_clock or hinted_step <= view.accum_step or step_is_due(view):
         return False
     return not view.clock_steps or clock_step(view.clock_steps) < hinted_step
