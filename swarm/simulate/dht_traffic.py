@@ -27,13 +27,14 @@ from typing import Dict, Optional, Sequence
 
 from swarm.policy.directory import level_for, mean_probe_levels, shard_count, write_levels
 from swarm.policy.steps import (
-    APPROACH_SHARE,
     AVERAGING_READ_S,
     CLOCK_ASKED,
     CLOCK_WATCH_S,
     CLOCK_WATCHERS,
     FOLLOWER_READ_S,
+    StageView,
     clock_watch_period_s,
+    seconds_between_reads,
 )
 
 __all__ = [
@@ -149,12 +150,25 @@ class ProgressModel:
 
 
 def approach_reads(near_s: float, poll_period_s: float) -> int:
-    """Reads of the clock stage's replica while it fills its batch (:func:`swarm.policy.steps.seconds_between_reads`):
-    each one after ``APPROACH_SHARE`` of the time left, and every poll period in the last ones."""
+    """Reads of the clock stage's replica in the last ``near_s`` seconds before it fills its batch: the waits the
+    live policy picks (:func:`swarm.policy.steps.seconds_between_reads`), replayed on a stage that fills at a
+    steady rate (each read after ``APPROACH_SHARE`` of the time left, every poll period in the last ones)."""
+    target, rate = 10**9, 1000.0  # a batch far larger than the window: only the time left decides
     reads, left = 0, near_s
     while left > 0:
-        wait = max(poll_period_s, APPROACH_SHARE * left)
-        reads, left = reads + 1, left - wait
+        view = StageView(
+            peer_id="",
+            is_clock=True,
+            target_batch_size=target,
+            step=0,
+            accum_step=0,
+            samples_pending=math.ceil(target - rate * left),
+            samples_admitted=0,
+            digest="",
+            averaging=False,
+            samples_per_s=rate,
+        )
+        reads, left = reads + 1, left - seconds_between_reads(view, poll_period_s, math.inf)
     return reads
 
 
