@@ -8,7 +8,8 @@ all-reduce):
 
   activation_bytes_per_sample  the payload of one sample's activation and its gradient across one stage
                                boundary, encoded by :func:`swarm.net.compression.compress` (float32: 4 bytes
-                               a value), for the model of ``--hidden``/``--seq_len``.
+                               a value), for the model of ``--hidden``/``--seq_len``; a ``boundaryN`` setting
+                               narrows it to ``hidden / N`` values a token (``model.boundary_dim``).
   allreduce_bytes_per_sample   what one replica sends and receives in a robust round (its gradient to each of
                                the R - 1 others, theirs from them: ``2 (R - 1)`` packed gradients, bytes as
                                :func:`swarm.server.robust_allreduce.pack` makes them) per sample of the step
@@ -22,9 +23,9 @@ all-reduce):
                                codecs, the aggregation and the optimizer are the swarm's own. Mean over
                                ``--seeds``; ``loss_vs_uncompressed`` is the mean of each seed's relative excess
                                over the fp32 run of the same seed (same samples, same initialisation).
-                               Only the gradient codec is emulated: activations stay exact, so a setting's loss
-                               is its gradient codec's (int8 activations cost under 1% in the live convergence
-                               test, ``tests/test_convergence.py``).
+                               The activations and their gradients go through the setting's codec at the stage
+                               boundary as they do on the wire, and a ``boundaryN`` setting trains the test model
+                               (``--loss_hidden`` wide) with ``boundary_dim = loss_hidden / N``: its loss is the narrow model's, on the same samples.
 
   tokens_per_s_50mbit          not measured by this script (null): a live 2+2 swarm at 50 Mbit/s is
                                ``benchmarks/wan.py``'s (activations only, one replica a stage).
@@ -33,7 +34,7 @@ An emulated run reproduces the live convergence test closely: top-k at 16 of 256
 steps and +26.6% in the live 2x2 swarm at 17; ternary +3.7% (mean of 5 seeds, 20 steps) and +4.0% live.
 
 Output: progress lines, then one JSON list, one object per setting: {"setting", "compression",
-"gradient_compression", "activation_bytes_per_sample", "allreduce_bytes_per_sample", "loss",
+"gradient_compression", "steps", "boundary_dim", "activation_bytes_per_sample", "allreduce_bytes_per_sample", "loss",
 "loss_vs_uncompressed", "tokens_per_s_50mbit"}.
 
 Usage: python benchmarks/compression.py [--settings fp32,int8,int8+ternary] [--steps 20,100,300] [--seeds 1,2,3]
@@ -42,6 +43,7 @@ Usage: python benchmarks/compression.py [--settings fp32,int8,int8+ternary] [--s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -58,7 +60,7 @@ from _records import add_record_arguments, write_record  # noqa: E402
 
 from swarm.model.gpt import ModelConfig  # noqa: E402
 from swarm.model.stages import FullModel, stage_skeleton  # noqa: E402
-from swarm.net.compression import compress  # noqa: E402
+from swarm.net.compression import compress, decompress  # noqa: E402
 from swarm.net.ternary import ErrorFeedback  # noqa: E402
 from swarm.policy.aggregation import AggregationConfig, robust_aggregate  # noqa: E402
 from swarm.server.robust_allreduce import pack  # noqa: E402
@@ -67,12 +69,16 @@ from swarm.training.optimizer import OptimizerConfig, make_optimizer, optimizer_
 from swarm.training.single_process import evaluate  # noqa: E402
 from swarm.training.tokenized import make_sampler  # noqa: E402
 
-SETTINGS: Dict[str, Tuple[str, str]] = {  # name -> (compression, gradient_compression)
-    "fp32": ("none", "none"),
-    "fp16": ("fp16", "fp16"),
-    "int8": ("int8", "int8"),
-    "fp32+ternary": ("none", "ternary"),
-    "int8+ternary": ("int8", "ternary"),
+Setting = Tuple[str, str, int]  # (compression, gradient_compression, how many times the boundary narrows: 1 = not)
+SETTINGS: Dict[str, Setting] = {
+    "fp32": ("none", "none", 1),
+    "fp16": ("fp16", "fp16", 1),
+    "int8": ("int8", "int8", 1),
+    "fp32+ternary": ("none", "ternary", 1),
+    "int8+ternary": ("int8", "ternary", 1),
+    "int8+boundary2": ("int8", "int8", 2),
+    "int8+boundary4": ("int8", "int8", 4),
+    "int8+boundary4+ternary": ("int8", "ternary", 4),
 }
 TEST_MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)  # as tests/test_convergence.py
 BLOCK_SIZE = 256
@@ -87,6 +93,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=36, help="samples per replica per step")
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--hidden", type=int, default=1024, help="width of the model whose bytes per sample are counted")
+    p.add_argument("--loss_hidden", type=int, default=TEST_MODEL.hidden_size,
+                   help="width of the test model whose loss is measured (heads of 16; 32 = the convergence test's)")
     p.add_argument("--seq_len", type=int, default=64, help="tokens per sample of that model")
     add_record_arguments(p)
     args = p.parse_args()
@@ -98,28 +106,59 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def activation_bytes(codec: str, hidden: int, seq_len: int) -> int:
-    """One sample's activation and its gradient across one boundary, in ``codec``."""
-    tensor = torch.randn(1, seq_len, hidden, generator=torch.Generator().manual_seed(0))
+def activation_bytes(codec: str, width: int, seq_len: int) -> int:
+    """One sample's activation and its gradient across one boundary ``width`` values a token wide, in ``codec``."""
+    tensor = torch.randn(1, seq_len, width, generator=torch.Generator().manual_seed(0))
     if codec == "none":
         return 2 * 4 * tensor.numel()
     packed = compress(tensor, codec, BLOCK_SIZE)
     return 2 * (len(packed.data) + len(packed.scales))
 
 
-def allreduce_bytes(codec: str, hidden: int, seq_len: int, replicas: int, batch_size: int) -> float:
+def allreduce_bytes(codec: str, hidden: int, seq_len: int, replicas: int, batch_size: int, narrowing: int) -> float:
     """Bytes one replica sends and receives in a robust round, per sample of the step, for stage 0 of a 2-stage
     model of width ``hidden`` (gradient values drawn at random: the byte count depends only on the codec)."""
-    config = ModelConfig(num_layers=2, hidden_size=hidden, num_heads=max(1, hidden // 64), seq_len=seq_len)
+    config = ModelConfig(num_layers=2, hidden_size=hidden, num_heads=max(1, hidden // 64), seq_len=seq_len,
+                         boundary_dim=0 if narrowing == 1 else hidden // narrowing)
     size = sum(p.numel() for p in stage_skeleton(config, 0, 2).parameters())
     packed = pack(torch.randn(size, generator=torch.Generator().manual_seed(0)), codec, BLOCK_SIZE)
     sent = sum(len(chunk.buffer) for chunk in packed.chunks)
     return 2 * (replicas - 1) * sent / (replicas * batch_size)
 
 
-def train(codec: str, steps: int, seed: int, args: argparse.Namespace, corpus, batches) -> float:
-    """Validation loss after ``steps`` steps of R emulated replicas whose gradients go through ``codec``."""
-    model = FullModel(TEST_MODEL, 2, 0)
+class _Wire(torch.autograd.Function):
+    """The identity, with the value and its gradient each sent through a codec as they cross a stage boundary."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, codec: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.codec = codec
+        return decompress(compress(hidden, codec, BLOCK_SIZE))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return decompress(compress(grad, ctx.codec, BLOCK_SIZE)), None
+
+
+def test_model(narrowing: int, hidden: int) -> ModelConfig:
+    """The test model at width ``hidden``, its boundary ``narrowing`` times narrower than its residual stream (1: not
+    narrowed)."""
+    return dataclasses.replace(TEST_MODEL, hidden_size=hidden, num_heads=max(TEST_MODEL.num_heads, hidden // 16),
+                               boundary_dim=0 if narrowing == 1 else hidden // narrowing)
+
+
+def loss_of(model: FullModel, inputs: torch.Tensor, targets: torch.Tensor, codec: str) -> torch.Tensor:
+    """The 2-stage model's loss with stage 0's output sent through ``codec`` to stage 1."""
+    hidden = model.stages[0](inputs)
+    if codec != "none":
+        hidden = _Wire.apply(hidden, codec)
+    return model.stages[1](hidden, targets)
+
+
+def train(setting: Setting, steps: int, seed: int, args: argparse.Namespace, corpus, batches) -> float:
+    """Validation loss after ``steps`` steps of R emulated replicas of ``setting``'s model whose activations and
+    gradients go through its codecs."""
+    activations, codec, narrowing = setting
+    model = FullModel(test_model(narrowing, args.loss_hidden), 2, 0)
     stage_params = [list(stage.parameters()) for stage in model.stages]
     optimizer_config = OptimizerConfig(lr=args.lr)
     optimizers = [make_optimizer(params, optimizer_config) for params in stage_params]
@@ -131,7 +170,7 @@ def train(codec: str, steps: int, seed: int, args: argparse.Namespace, corpus, b
         for replica, sampler in enumerate(samplers):
             inputs, targets = sampler.sample()
             model.zero_grad(set_to_none=True)
-            model(inputs, targets).backward()
+            loss_of(model, inputs, targets, activations).backward()
             for stage, params in enumerate(stage_params):
                 gradient = torch.cat([p.grad.reshape(-1) for p in params])
                 keeper: Optional[ErrorFeedback] = feedback[replica][stage] if codec == "ternary" else None
@@ -160,29 +199,32 @@ def main(args: argparse.Namespace) -> Tuple[List[dict], Dict[str, List[float]]]:
     steps_list = [int(s) for s in args.steps.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.settings.split(",")
-    losses: Dict[Tuple[str, int, int], float] = {}
-    codecs = {SETTINGS[name][1] for name in names} | {"none"}
-    for codec in sorted(codecs):
+    losses: Dict[Tuple[Setting, int, int], float] = {}
+    uncompressed = SETTINGS["fp32"]
+    for setting in dict.fromkeys([uncompressed, *(SETTINGS[name] for name in names)]):
         for steps in steps_list:
             for seed in seeds:
                 started = time.monotonic()
-                losses[(codec, steps, seed)] = train(codec, steps, seed, args, corpus, batches)
-                print(f"gradients {codec:>7}, {steps:>4} steps, seed {seed}: loss {losses[(codec, steps, seed)]:.4f} "
-                      f"({time.monotonic() - started:.1f} s)", flush=True)
+                losses[(setting, steps, seed)] = train(setting, steps, seed, args, corpus, batches)
+                print(f"{'/'.join(map(str, setting)):>18}, {steps:>4} steps, seed {seed}: loss "
+                      f"{losses[(setting, steps, seed)]:.4f} ({time.monotonic() - started:.1f} s)", flush=True)
     rows, raw = [], {}
     for name in names:
-        compression, gradients = SETTINGS[name]
-        activations = activation_bytes(compression, args.hidden, args.seq_len)
-        allreduce = round(allreduce_bytes(gradients, args.hidden, args.seq_len, args.replicas, args.batch_size), 1)
+        setting = SETTINGS[name]
+        compression, gradients, narrowing = setting
+        activations = activation_bytes(compression, args.hidden // narrowing, args.seq_len)
+        allreduce = round(allreduce_bytes(gradients, args.hidden, args.seq_len, args.replicas, args.batch_size,
+                                           narrowing), 1)
         for steps in steps_list:
-            excess = [(losses[(gradients, steps, s)] - losses[("none", steps, s)]) / losses[("none", steps, s)]
+            excess = [(losses[(setting, steps, s)] - losses[(uncompressed, steps, s)]) / losses[(uncompressed, steps, s)]
                       for s in seeds]
             raw[f"loss_vs_uncompressed[{name}, {steps} steps]"] = [round(e, 5) for e in excess]
             rows.append({
                 "setting": name, "compression": compression, "gradient_compression": gradients, "steps": steps,
+                "boundary_dim": args.hidden // narrowing if narrowing > 1 else 0,
                 "activation_bytes_per_sample": activations,
                 "allreduce_bytes_per_sample": allreduce,
-                "loss": round(statistics.mean(losses[(gradients, steps, s)] for s in seeds), 4),
+                "loss": round(statistics.mean(losses[(setting, steps, s)] for s in seeds), 4),
                 "loss_vs_uncompressed": round(statistics.mean(excess), 5),
                 "tokens_per_s_50mbit": None,
             })
@@ -204,8 +246,9 @@ if __name__ == "__main__":
                                               "allreduce_bytes_per_sample", "loss", "loss_vs_uncompressed")}
                            for r in summary],
                  notes=["Bytes per sample: the payloads the codecs make for a model of --hidden and --seq_len (no "
-                        "framing). Loss: emulated data-parallel training of the test model (the swarm's codecs, "
-                        "robust aggregation and AdamW; no network, no pipeline), mean over --seeds; raw values are "
-                        "each seed's relative excess over fp32.",
+                        "framing); boundaryN settings at hidden / N values a token. Loss: emulated data-parallel "
+                        "training of the test model (hidden --loss_hidden; boundaryN at boundary_dim --loss_hidden / N) with the swarm's "
+                        "codecs on activations, their gradients and the all-reduce, robust aggregation and AdamW; no "
+                        "network, no pipeline; mean over --seeds; raw values are each seed's relative excess over fp32.",
                         "tokens_per_s_50mbit is not measured here (null)."])
     print(json.dumps(summary))

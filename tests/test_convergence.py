@@ -50,6 +50,9 @@ TOKENIZER_VOCAB, TOKENIZER_TEXT_BYTES, DATA_BYTES = 512, 2**20, 2 * 2**20
 MIN_FALL = 1.0  # nats of validation loss a byte-level swarm must shed from its initial value
 LLAMA_MIN_FALL = 0.5  # the same for the Llama swarm on BPE tokens
 MAX_TERNARY_EXCESS = 0.09  # the same with ternary gradients, which cost a few percent in these 17-20 steps
+# the same with a narrow boundary, whose early steps follow the order of the samples more: the swarm's trainers and the
+# baseline draw different ones, which put the swarm 2.6-4.2% below its baseline in 4 runs
+MAX_BOUNDARY_EXCESS = 0.08
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ def bpe(tmp_path_factory) -> RunTokenizer:
 def make_case(name: str, bpe: RunTokenizer) -> Case:
     if name in ("gpt", "gpt_int8"):
         return Case(name, MODEL, [] if name == "gpt" else ["--compression", "int8"], MIN_FALL)
+    if name == "gpt_int8_boundary":  # stage 0 sends 8 of its 32 values a token, in int8: 16x fewer bytes than float32
+        return Case(name, dataclasses.replace(MODEL, boundary_dim=8), ["--compression", "int8", "--boundary_dim", "8"],
+                    MIN_FALL, max_excess=MAX_BOUNDARY_EXCESS)
     if name == "gpt_ternary":  # the stage all-reduce sends every gradient value as 0 or ±its block's scale
         return Case(name, MODEL, ["--gradient_compression", "ternary"], MIN_FALL, max_excess=MAX_TERNARY_EXCESS)
     # Llama blocks, a BPE tokenizer, and activations, their gradients and the stage all-reduce in int8
@@ -153,7 +159,7 @@ def baseline_corpus(case: Case, bpe: RunTokenizer) -> Union[Corpus, TokenizedCor
 
 # a live swarm of six roles: on a 2-core machine that other jobs share it can outlast the suite's 300 s bound
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "gpt_ternary", "llama_bpe_int8"])
+@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "gpt_int8_boundary", "gpt_ternary", "llama_bpe_int8"])
 @pytest.mark.long
 async def test_swarm_trains_and_ends_near_single_process(launcher, probe, bpe, name):
     case = make_case(name, bpe)

@@ -203,16 +203,16 @@ async def test_unauthorized_fails_the_call_at_once_with_a_clear_message(monkeypa
 
 def test_check_reply_accepts_honest_replies_and_names_the_problem():
     inputs = torch.ones(BATCH, SEQ, HIDDEN)
-    ok = dict(stage=1, num_stages=3, inputs=inputs, hidden_size=HIDDEN)
+    ok = dict(stage=1, num_stages=3, inputs=inputs, wire_width=HIDDEN)
     assert check_reply({"outputs": torch.ones(BATCH, SEQ, HIDDEN)}, method="forward", **ok) is None
     assert check_reply({"step": 0, "resets": 0, "grad_inputs": torch.zeros_like(inputs)}, method="backward", **ok) is None
     assert check_reply({"step": 2, "resets": 3}, method="backward", stage=0, num_stages=3, inputs=tokens()[0],
-                       hidden_size=HIDDEN) is None
+                       wire_width=HIDDEN) is None
     assert "'resets' is missing" in check_reply({"step": 2}, method="backward", stage=0, num_stages=3,
-                                                inputs=tokens()[0], hidden_size=HIDDEN)
+                                                inputs=tokens()[0], wire_width=HIDDEN)
     assert "'resets' is -1" in check_reply({"step": 2, "resets": -1}, method="backward", stage=0, num_stages=3,
-                                           inputs=tokens()[0], hidden_size=HIDDEN)
-    assert check_reply({"loss": 3}, method="forward", stage=2, num_stages=3, inputs=inputs, hidden_size=HIDDEN) is None
+                                           inputs=tokens()[0], wire_width=HIDDEN)
+    assert check_reply({"loss": 3}, method="forward", stage=2, num_stages=3, inputs=inputs, wire_width=HIDDEN) is None
     assert "dtype torch.float64" in check_reply({"outputs": torch.ones(BATCH, SEQ, HIDDEN, dtype=torch.float64)},
                                                 method="forward", **ok)
     assert "not a tensor" in check_reply({"outputs": [1.0]}, method="forward", **ok)
@@ -221,14 +221,14 @@ def test_check_reply_accepts_honest_replies_and_names_the_problem():
                                            method="backward", **ok)
     assert "'grad_inputs' is missing" in check_reply({"step": 1, "resets": 0}, method="backward", **ok)
     assert "'loss' is -1.0" in check_reply({"loss": -1.0}, method="forward", stage=2, num_stages=3, inputs=inputs,
-                                           hidden_size=HIDDEN)
+                                           wire_width=HIDDEN)
 
 
 
 def test_a_logits_reply_is_checked_like_any_tensor():
     """A generation forward asks the last stage for the logits of the last position: (batch, vocab) float32."""
     inputs, vocab = torch.ones(BATCH, SEQ, HIDDEN), 11
-    last = dict(method="forward", stage=2, num_stages=3, inputs=inputs, hidden_size=HIDDEN, logits_of=vocab)
+    last = dict(method="forward", stage=2, num_stages=3, inputs=inputs, wire_width=HIDDEN, logits_of=vocab)
     assert check_reply({"logits": torch.zeros(BATCH, vocab)}, **last) is None
     assert "'logits' is missing" in check_reply({"loss": 1.0}, **last)
     assert f"expected {(BATCH, vocab)}" in check_reply({"logits": torch.zeros(BATCH, vocab + 1)}, **last)

@@ -98,11 +98,11 @@ def encoded_float_bytes(elements: int, compression: str, block_size: int) -> int
 
 
 def check_reply(
-    reply: Any, *, stage: int, num_stages: int, method: str, inputs: Any, hidden_size: int, logits_of: int = 0
+    reply: Any, *, stage: int, num_stages: int, method: str, inputs: Any, wire_width: int, logits_of: int = 0
 ) -> Optional[str]:
     """Why ``reply`` to ``method`` on ``stage`` (called with ``inputs``) cannot be used, or None if it can.
 
-    Forward below the last stage: finite ``outputs`` of shape (batch, seq_len, hidden_size) in
+    Forward below the last stage: finite ``outputs`` of shape (batch, seq_len, wire_width) in
     :data:`HIDDEN_DTYPE`. Forward of the last stage: a finite ``loss`` (evaluation), or, when the request asked
     for the logits of a vocabulary of ``logits_of`` tokens (generation), finite ``logits`` of shape (batch,
     logits_of) in :data:`HIDDEN_DTYPE`. Backward: a ``step``; on the last stage also a ``loss``; above stage 0
@@ -115,7 +115,7 @@ def check_reply(
             return _check_tensor(reply, "logits", (int(inputs.shape[0]), logits_of), HIDDEN_DTYPE)
         if last:
             return _check_loss(reply)
-        expected = (*tuple(inputs.shape[:2]), hidden_size)
+        expected = (*tuple(inputs.shape[:2]), wire_width)
         return _check_tensor(reply, "outputs", expected, HIDDEN_DTYPE)
     if method == "backward":
         reasons = [_check_count(reply, "step"), _check_count(reply, "resets")]
@@ -328,7 +328,7 @@ class PipelineClient:
         inputs = message.get("inputs")
         if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
             return REPLY_SLACK_BYTES
-        hidden = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.hidden_size * HIDDEN_DTYPE.itemsize
+        hidden = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.wire_width * HIDDEN_DTYPE.itemsize
         return 2 * max(hidden, inputs.numel() * inputs.element_size()) + REPLY_SLACK_BYTES
 
     def _expected_reply_bytes(self, stage: int, method: str, message: Mapping[str, Any]) -> int:
@@ -338,7 +338,7 @@ class PipelineClient:
         if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
             return 0
         if method == "forward" and stage < self.num_stages - 1:
-            elements = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.hidden_size
+            elements = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.wire_width
         elif method == "backward" and stage > 0:
             elements = inputs.numel()
         else:
@@ -352,7 +352,7 @@ class PipelineClient:
             num_stages=self.num_stages,
             method=method,
             inputs=message.get("inputs"),
-            hidden_size=self.model.hidden_size,
+            wire_width=self.model.wire_width,
             logits_of=self.model.vocab_size if message.get("logits") is True else 0,
         )
         if reason is not None:

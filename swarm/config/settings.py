@@ -104,6 +104,11 @@ class RunConfig:
                 "model.tie_embeddings shares the embedding with the LM head, which live on the first and "
                 f"last of {self.num_stages} stages (different peers): tie them only in a 1-stage run"
             )
+        if self.model.boundary_dim and self.num_stages == 1:
+            raise ValueError(
+                "model.boundary_dim narrows the activations that travel between stages, and a 1-stage run has "
+                "none: leave it 0"
+            )
         if self.model.stage_layers and len(self.model.stage_layers) != self.num_stages:
             raise ValueError(
                 f"stage_layers {self.model.stage_layers} must name one block count per stage ({self.num_stages} stages)"

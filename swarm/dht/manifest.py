@@ -74,6 +74,7 @@ _MODEL_OMITTED_AT_DEFAULT = {
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5,
     "tie_embeddings": False,
+    "boundary_dim": 0,
 }
 
 

@@ -192,6 +192,10 @@ def activation_bytes(
         per_token = layers * model.hidden_size * 4 + (block if layers else 0)
     else:
         per_token = layers * block
+    if model.boundary_dim:  # the projections save their inputs: the narrow one received, the wide one sent on
+        per_token += (
+            (0 if skeleton.is_first else model.boundary_dim) + (0 if skeleton.is_last else model.hidden_size)
+        ) * width
     if skeleton.is_first:
         per_token += model.hidden_size * 4
     if skeleton.is_last:

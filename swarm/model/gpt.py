@@ -92,6 +92,15 @@ class ModelConfig:
     rope_theta: float = 10000.0  # llama: base of the rotary position frequencies
     rms_norm_eps: float = 1e-5  # llama: epsilon inside RMSNorm
     tie_embeddings: bool = False  # llama: the LM head reuses the token embedding (single-stage runs only)
+    boundary_dim: int = field(
+        default=0,
+        metadata={
+            "help": (
+                "width of the activations between stages: 0 = hidden_size; less = each stage but the last ends in a "
+                "learned projection to this width and the next projects back (fewer bytes on the wire)"
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_layers", "hidden_size", "num_heads"):
@@ -104,6 +113,15 @@ class ModelConfig:
         if self.hidden_size % self.num_heads != 0:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
         self._check_architecture_fields()
+        self._check_boundary()
+
+    def _check_boundary(self) -> None:
+        _require_non_negative_int("boundary_dim", self.boundary_dim)
+        if self.boundary_dim >= self.hidden_size:
+            raise ValueError(
+                f"boundary_dim ({self.boundary_dim}) must be less than hidden_size ({self.hidden_size}), "
+                "or 0 for activations of the full width: it narrows what travels between stages"
+            )
 
     def _check_architecture_fields(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -139,6 +157,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Width of one attention head."""
         return self.hidden_size // self.num_heads
+
+    @property
+    def wire_width(self) -> int:
+        """Width of the hidden states that travel between stages: ``boundary_dim``, or ``hidden_size`` when 0."""
+        return self.boundary_dim or self.hidden_size
 
     @property
     def kv_heads(self) -> int:
@@ -273,9 +296,53 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
     def _materialise(self, empty: bool) -> None:
         """Allocate the meta-device parameters on the CPU and initialise them as seed 0 would, unless ``empty``:
         then the stage stays a skeleton whose names and shapes describe it without allocating anything."""
+        with torch.device("meta"):
+            self._build_boundaries()
         if not empty:
             self.allocate("cpu")
             self.reset_parameters(seed=0)
+
+    def _build_boundaries(self) -> None:
+        """The learned projections at the stage's ends when the run narrows its activations (``boundary_dim``):
+        ``boundary_in`` widens what the previous stage sent back to ``hidden_size``, ``boundary_out`` narrows what
+        goes to the next stage. The residual stream crosses the boundary at the narrow width, so the model learns
+        what to keep of it; the bytes of the activations and of their gradients shrink by the same factor."""
+        width, hidden = self.config.boundary_dim, self.config.hidden_size
+        if not width:
+            return
+        if not self.is_first:
+            self.boundary_in = nn.Linear(width, hidden, bias=False)
+        if not self.is_last:
+            self.boundary_out = nn.Linear(hidden, width, bias=False)
+
+    @torch.no_grad()
+    def _reset_boundaries(self, seed: int) -> None:
+        """Both halves of a boundary from one generator keyed by the boundary's layer index: the sender's
+        ``boundary_out`` is a random [width, hidden] matrix with rows of about unit norm and the receiver's
+        ``boundary_in`` its transpose, so the pair starts as (about) a projection onto a random subspace instead of
+        a random map. Drawn with ``normal_`` alone, so every machine computes the same bits."""
+        width, hidden = self.config.boundary_dim, self.config.hidden_size
+        if not width:
+            return
+        for module, layer, transpose in (
+            (getattr(self, "boundary_in", None), self.layer_range[0], True),
+            (getattr(self, "boundary_out", None), self.layer_range[1], False),
+        ):
+            if module is None:
+                continue
+            basis = torch.empty(width, hidden)
+            basis.normal_(0.0, 1.0 / math.sqrt(hidden), generator=seeded_generator(seed, f"boundary.{layer}"))
+            module.weight.copy_(basis.T if transpose else basis)
+
+    def _boundary_names(self) -> Dict[str, str]:
+        """The boundaries' keys in ``state_dict()`` -> their names in a whole-model checkpoint: the boundary before
+        global layer ``i`` is ``boundaries.{i}``, its sender's half ``down`` and its receiver's ``up``."""
+        names = {}
+        if hasattr(self, "boundary_in"):
+            names["boundary_in.weight"] = f"boundaries.{self.layer_range[0]}.up.weight"
+        if hasattr(self, "boundary_out"):
+            names["boundary_out.weight"] = f"boundaries.{self.layer_range[1]}.down.weight"
+        return names
 
     def allocate(self, device: Union[str, torch.device]) -> None:
         """Give a skeleton's parameters uninitialised storage on ``device``; ``load_state_dict`` or
@@ -286,9 +353,16 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
     def _tie_weights(self) -> None:
         """Make tied parameters one parameter again (none here; an architecture with tied weights says which)."""
 
-    @abc.abstractmethod
+    @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
         """Initialise every parameter from generators local to (seed, component); see :func:`build_stage`."""
+        self._reset_layers(seed)
+        self._reset_boundaries(seed)
+
+    @abc.abstractmethod
+    def _reset_layers(self, seed: int) -> None:
+        """Initialise the architecture's own parameters (all but the boundaries') from generators local to
+        (seed, component)."""
 
     @abc.abstractmethod
     def _hidden(self, inputs: torch.Tensor) -> torch.Tensor:
@@ -303,16 +377,24 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
     ) -> torch.Tensor:
         """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H], or on the last stage the mean loss
         (``reduction="none"``: the loss of every token, [B, T], which a server splits between merged requests)."""
-        x = self._hidden(inputs)
+        x = self._hidden(self._widen(inputs))
         if not self.is_last:
-            return x
+            return self._narrow(x)
         return self._loss(self._head(x), targets, reduction)
+
+    def _widen(self, inputs: torch.Tensor) -> torch.Tensor:
+        """What the previous stage sent, back at ``hidden_size`` (unchanged without a boundary, or on stage 0)."""
+        return self.boundary_in(inputs) if hasattr(self, "boundary_in") else inputs
+
+    def _narrow(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What this stage sends on, at ``boundary_dim`` (unchanged without a boundary)."""
+        return self.boundary_out(hidden) if hasattr(self, "boundary_out") else hidden
 
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:
         """Next-token logits [B, T, vocab] of the last stage for ``inputs`` (for evaluation and export checks;
         training never moves logits off the peer)."""
         self._require_last()
-        return self._head(self._hidden(inputs))
+        return self._head(self._hidden(self._widen(inputs)))
 
     @abc.abstractmethod
     def checkpoint_names(self) -> Dict[str, str]:
@@ -379,11 +461,9 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
         expected_dtype = next(self.parameters()).dtype  # hidden states travel in the dtype the stage computes in
         if hidden.dtype != expected_dtype:
             raise ValueError(f"{where}: hidden states must be {expected_dtype}, got dtype {hidden.dtype}")
-        if hidden.ndim != 3 or hidden.shape[2] != self.config.hidden_size:
-            raise ValueError(
-                f"{where}: hidden states must be [batch, seq, {self.config.hidden_size}], "
-                f"got shape {tuple(hidden.shape)}"
-            )
+        width = self.config.wire_width
+        if hidden.ndim != 3 or hidden.shape[2] != width:
+            raise ValueError(f"{where}: hidden states must be [batch, seq, {width}], got shape {tuple(hidden.shape)}")
         self._check_batch_and_length("hidden states", hidden.shape[0], hidden.shape[1], where)
         if not all_finite(hidden):
             kind = "NaN" if bool(torch.isnan(hidden).any()) else "inf"
@@ -423,7 +503,7 @@ class StageModule(PipelineStage):
         self._materialise(empty)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
+    def _reset_layers(self, seed: int) -> None:
         """GPT-2 initialisation drawn from generators local to (seed, component).
 
         Each block is keyed by its global layer index (and the embeddings and head by
@@ -480,7 +560,7 @@ class StageModule(PipelineStage):
                 names[key] = f"blocks.{start + int(local)}.{rest}"
             else:
                 names[key] = key
-        return names
+        return names | self._boundary_names()
 
 
 def seeded_generator(seed: int, component: str) -> torch.Generator:

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from swarm.model.finite import all_finite
-from swarm.model.gpt import ModelConfig, PipelineStage
+from swarm.model.gpt import ModelConfig, PipelineStage, layer_ranges
 from swarm.model.stages import stage_skeleton
 
 __all__ = [
@@ -81,6 +81,12 @@ def checkpoint_config(config: ModelConfig, dtype: torch.dtype = torch.float32) -
             "swarm_model_config": dataclasses.asdict(config),
             "torch_dtype": _dtype_name(dtype),
         }
+    if config.boundary_dim:
+        raise CheckpointError(
+            f"a llama run with boundary_dim {config.boundary_dim} passes its residual stream through learned "
+            "projections between stages, which LlamaForCausalLM has no place for: such a run cannot start from "
+            "or be exported as a Hugging Face checkpoint (runs that do keep boundary_dim 0)"
+        )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -400,6 +406,7 @@ def read_stage_tensors(
     names, params = skeleton.checkpoint_names(), skeleton.state_dict(keep_vars=True)
     weight_map = _weight_map(path)
     where = f"{path}: stage {stage_index}/{num_stages}"
+    _check_boundaries_match(weight_map, config, num_stages, where)
     missing = sorted({name for name in names.values() if name not in weight_map})
     if missing:
         raise CheckpointError(f"{where}: tensor {missing[0]!r} is missing from the checkpoint")
@@ -415,6 +422,21 @@ def read_stage_tensors(
             for name in file_names:
                 loaded[name] = _read_tensor(f, name, shapes[name], f"{where}: tensor {name!r} in {file}")
     return {local: loaded[name].to(params[local].dtype) for local, name in names.items()}
+
+
+def _check_boundaries_match(weight_map: Mapping[str, str], config: ModelConfig, num_stages: int, where: str) -> None:
+    """CheckpointError unless the checkpoint's stage boundaries (``boundaries.{layer}.*``, written by a run with
+    ``boundary_dim``) sit where this run cuts the model: a narrowed residual stream is part of the model, so the
+    same tensors cut elsewhere would compute another one."""
+    present = sorted({int(name.split(".")[1]) for name in weight_map if name.startswith("boundaries.")})
+    starts = [start for start, _ in layer_ranges(config.num_layers, num_stages, config.stage_layers)[1:]]
+    expected = starts if config.boundary_dim else []
+    if present != expected:
+        raise CheckpointError(
+            f"{where}: the checkpoint narrows the residual stream before layers {present}, this run's cut "
+            f"({num_stages} stages, boundary_dim {config.boundary_dim}) before layers {expected}: load it with the "
+            "cut it was trained with"
+        )
 
 
 def _read_tensor(handle: Any, name: str, shape: torch.Size, where: str) -> torch.Tensor:

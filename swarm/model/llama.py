@@ -181,7 +181,7 @@ class LlamaStage(PipelineStage):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
+    def _reset_layers(self, seed: int) -> None:
         """Normal(0, 0.02) weights and unit norms, drawn from generators local to (seed, component) as the GPT's
         are: each layer keyed by its global index, so the same seed gives the same network however it is cut.
         The residual projections (o_proj, down_proj) are scaled by 1/sqrt(2 * layers), as in GPT-2, so the
@@ -221,8 +221,10 @@ class LlamaStage(PipelineStage):
         return self.lm_head(self.model.norm(hidden))
 
     def checkpoint_names(self) -> Dict[str, str]:
-        """The stage's names are HF's already; a tied LM head is stored as the embedding, as HF stores it."""
-        names = {key: key for key in self.state_dict(keep_vars=True)}
+        """The stage's names are HF's already (the boundaries of a run with ``boundary_dim``, which HF's Llama has
+        no place for, take the names of :meth:`_boundary_names`); a tied LM head is stored as the embedding, as HF
+        stores it."""
+        names = {key: key for key in self.state_dict(keep_vars=True)} | self._boundary_names()
         if self.config.tie_embeddings and "lm_head.weight" in names:
             names["lm_head.weight"] = "model.embed_tokens.weight"
         return names

@@ -459,7 +459,7 @@ class StageRunner:
             inputs = tokens()
         else:
             dtype = self.params[0].dtype if self.params else torch.float32
-            inputs = torch.randn(samples, config.seq_len, config.hidden_size, dtype=dtype)
+            inputs = torch.randn(samples, config.seq_len, config.wire_width, dtype=dtype)
         targets = tokens() if self.module.is_last else None
         self.module.check_inputs(inputs, targets)
         return inputs, targets
