@@ -11,7 +11,8 @@ What runs, per cell (bandwidth x compression x hidden size), one after another:
   * host 0 the bootstrap, host 1 the stage-0 replica, host 2 the stage-1 replica, host 3 the trainer;
     every role listens and announces on its host's address, never loopback. The trainer relays every
     activation and gradient between the stages, so its link carries four tensors per micro-batch;
-  * the trainer trains for ``--duration_s`` seconds with ``--compression`` as the run's setting.
+  * the trainer trains for ``--duration_s`` seconds with the cell's setting: a ``compression`` codec, and with
+    ``+boundaryN`` a run whose stages send ``hidden / N`` values a token (``model.boundary_dim``).
 
 Measured, per cell:
   tokens_per_s      samples the trainer sent x seq_len / its training time (``train_s`` of its done event).
@@ -31,7 +32,7 @@ Output: progress lines, a table, ratios of int8 and fp16 over fp32 per bandwidth
 list, one object per cell: {"bandwidth_mbit", "hidden", "compression", "tokens_per_s", "bytes_per_sample",
 "loss", "samples", "train_s"}.
 
-Usage: sudo python benchmarks/wan.py [--bandwidths 50,200,1000] [--compressions none,fp16,int8]
+Usage: sudo python benchmarks/wan.py [--bandwidths 50,200,1000] [--compressions none,fp16,int8,int8+boundary4]
        [--hiddens 256,1024] [--duration_s 30] [--lr_at_256 1e-3]
 """
 
@@ -59,7 +60,8 @@ READY_TIMEOUT_S = 120.0
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bandwidths", default="50,200,1000", help="Mbit/s per host link, comma-separated")
-    p.add_argument("--compressions", default="none,fp16,int8", help="run compression settings, comma-separated")
+    p.add_argument("--compressions", default="none,fp16,int8",
+                   help="run compression settings, comma-separated: a codec, optionally +boundaryN (boundary_dim = hidden / N)")
     p.add_argument("--hiddens", default="256,1024", help="model widths, comma-separated")
     p.add_argument("--duration_s", type=float, default=30.0, help="seconds the trainer trains, per cell")
     p.add_argument("--lr_at_256", type=float, default=1e-3,
@@ -79,6 +81,17 @@ def _model(args, hidden: int) -> List[str]:
             "--seq_len", str(args.seq_len), "--lr", f"{args.lr_at_256 * 256 / hidden:.3g}"]
 
 
+def _setting(setting: str, hidden: int) -> List[str]:
+    """The run flags of a cell's setting: ``codec`` or ``codec+boundaryN``."""
+    codec, *options = setting.split("+")
+    flags = ["--compression", codec]
+    for option in options:
+        if not option.startswith("boundary") or not option[len("boundary"):].isdigit():
+            raise SystemExit(f"unknown setting {setting!r}: a codec, optionally +boundaryN")
+        flags += ["--boundary_dim", str(hidden // int(option[len("boundary"):]))]
+    return flags
+
+
 def _link_bytes(hosts: Hosts, host: int) -> int:
     """Bytes ``host`` sent plus bytes it received (what its bridge-side veth end sent to it)."""
     return hosts.tx_bytes(host) + hosts.rx_bytes(host)
@@ -86,7 +99,7 @@ def _link_bytes(hosts: Hosts, host: int) -> int:
 
 def run_cell(args, log_dir: Path, mbit: float, compression: str, hidden: int) -> Dict[str, Any]:
     """One swarm across 4 limited hosts, from bootstrap to figures; removes everything it made."""
-    name = f"wan_{int(mbit)}m_{compression}_h{hidden}"
+    name = f"wan_{int(mbit)}m_{compression.replace('+', '_')}_h{hidden}"
     hosts = Hosts(4).create()
     roles: List[RoleProcess] = []
 
@@ -103,7 +116,7 @@ def run_cell(args, log_dir: Path, mbit: float, compression: str, hidden: int) ->
         bootstrap = start("bootstrap", BOOTSTRAP, run, "bootstrap")
         initial = bootstrap.wait_event("bootstrap_ready", READY_TIMEOUT_S)["maddrs"]
         common = [*run, "--initial_peers", ",".join(initial), "--target_batch_size", "256", *_model(args, hidden),
-                  "--compression", compression]
+                  *_setting(compression, hidden)]
         peers = [start("peer", host, ["--stage", str(stage), *common, *FAST_PEER], f"s{stage}")
                  for stage, host in ((0, STAGE0), (1, STAGE1))]
         for peer in peers:
@@ -134,14 +147,16 @@ def _ratio(cells: List[Dict[str, Any]], mbit: float, hidden: int, codec: str) ->
 
 
 def print_table(cells: List[Dict[str, Any]]) -> None:
-    print(f"{'Mbit/s':>7} {'hidden':>6} {'codec':>5} {'tokens/s':>9} {'bytes/sample':>13} {'loss':>7} {'samples':>8}")
+    print(f"{'Mbit/s':>7} {'hidden':>6} {'codec':>14} {'tokens/s':>9} {'bytes/sample':>13} {'loss':>7} {'samples':>8}")
     for c in cells:
-        print(f"{c['bandwidth_mbit']:>7g} {c['hidden']:>6} {c['compression']:>5} {c.get('tokens_per_s') or '-':>9} "
+        print(f"{c['bandwidth_mbit']:>7g} {c['hidden']:>6} {c['compression']:>14} {c.get('tokens_per_s') or '-':>9} "
               f"{c.get('bytes_per_sample') or '-':>13} {c.get('loss') or '-':>7} {c.get('samples', '-'):>8}")
     for mbit in sorted({c["bandwidth_mbit"] for c in cells}):
         for hidden in sorted({c["hidden"] for c in cells}):
-            ratios = {codec: _ratio(cells, mbit, hidden, codec) for codec in ("fp16", "int8")}
-            print(f"{mbit:g} Mbit/s, hidden {hidden}: tokens/s over fp32: fp16 {ratios['fp16']}, int8 {ratios['int8']}")
+            ratios = {c["compression"]: _ratio(cells, mbit, hidden, c["compression"]) for c in cells
+                      if c["compression"] != "none"}
+            print(f"{mbit:g} Mbit/s, hidden {hidden}: tokens/s over fp32: "
+                  + ", ".join(f"{codec} {ratio}" for codec, ratio in ratios.items()))
     print("links limited with tc tbf: bandwidth only, no latency emulation (netem is not available)", flush=True)
 
 
