@@ -79,6 +79,9 @@ SETTINGS: Dict[str, Setting] = {
     "int8+boundary2": ("int8", "int8", 2),
     "int8+boundary4": ("int8", "int8", 4),
     "int8+boundary4+ternary": ("int8", "ternary", 4),
+    "int4": ("int4", "int8", 1),
+    "int4+boundary2": ("int4", "int8", 2),
+    "int4+boundary4": ("int4", "int8", 4),
 }
 TEST_MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)  # as tests/test_convergence.py
 BLOCK_SIZE = 256

@@ -1,4 +1,5 @@
-"""Blockwise int8 and float16 compression: error bounds block by block, edge sizes, refusals, determinism."""
+"""Blockwise int8 and int4 and float16 compression: error bounds block by block, edge sizes, refusals,
+determinism."""
 
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_fp16_round_trip_is_a_float16_cast(numel):
     assert bool(((out - tensor).abs() <= error_bound(c)).all())
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp16"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16"])
 @pytest.mark.parametrize("shape", [(0,), (0, 5), (2, 0, 3), ()])
 def test_empty_and_zero_dim_tensors_round_trip(codec, shape):
     tensor = torch.full(shape, 1.5)
@@ -116,7 +117,7 @@ def test_non_contiguous_input():
     assert_within_block_bounds(tensor, c)
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp16"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16"])
 def test_same_input_gives_the_same_bytes(codec):
     tensor = varied_magnitudes(5000, 256, seed=7).clamp(-6e4, 6e4)
     first, second = compress(tensor, codec), compress(tensor.clone(), codec)
@@ -137,7 +138,7 @@ def test_block_sizes_out_of_range_are_refused(block_size):
         compress(torch.ones(100), "int8", block_size)
 
 
-@pytest.mark.parametrize("codec", ["int8", "fp16"])
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp16"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_refused(codec, bad):
     tensor = torch.ones(300)
@@ -159,8 +160,8 @@ def test_fp16_keeps_its_largest_value():
     assert torch.equal(decompress(compress(tensor, "fp16")), tensor)
 
 
-@pytest.mark.parametrize("codec", ["none", "int4", "", None, "INT8"])
-def test_codecs_other_than_fp16_and_int8_are_refused(codec):
+@pytest.mark.parametrize("codec", ["none", "int2", "", None, "INT8"])
+def test_codecs_other_than_fp16_int8_and_int4_are_refused(codec):
     with pytest.raises(CompressionError, match="codec"):
         compress(torch.ones(100), codec)
 
@@ -183,8 +184,51 @@ def test_inconsistent_compressed_fields_are_refused():
         decompress(Compressed("int8", (100,), 64, good.data, torch.tensor([1.0, -1.0]).numpy().tobytes()))
 
 
-@pytest.mark.parametrize("codec, ratio", [("int8", 3.9), ("fp16", 1.9)])
+@pytest.mark.parametrize("codec, ratio", [("int8", 3.9), ("int4", 7.5), ("fp16", 1.9)])
 def test_an_activation_shrinks_on_the_wire(codec, ratio):
     activation = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))
     plain, small = encode({"hidden": activation}), encode({"hidden": activation}, codec)
     assert len(plain) / len(small) >= ratio, (len(plain), len(small))
+
+
+# ---- int4 ----
+
+@pytest.mark.parametrize("block_size", [MIN_BLOCK_SIZE, DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE])
+@pytest.mark.parametrize("numel", [1, 2, 63, 64, 65, 1000, 3 * DEFAULT_BLOCK_SIZE + 17, 2 * MAX_BLOCK_SIZE + 5])
+def test_int4_error_stays_within_a_fourteenth_of_each_blocks_largest_value(numel, block_size):
+    tensor = varied_magnitudes(numel, block_size)
+    c = compress(tensor, "int4", block_size)
+    out = decompress(c)
+    assert out.shape == tensor.shape and out.dtype == torch.float32
+    assert len(c.data) == math.ceil(numel / 2) and len(c.scales) == 4 * math.ceil(numel / block_size)
+    exact = tensor.reshape(-1).to(torch.float64)
+    error = (out.reshape(-1).to(torch.float64) - exact).abs()
+    allowed = block_max(exact, block_size).clamp_min(7 * 2.0**-126) / 14 * (1 + 2**-13)
+    assert bool((block_max(error, block_size) <= allowed).all())
+    assert bool((error <= error_bound(c).reshape(-1).to(torch.float64)).all())
+
+
+def test_int4_keeps_zeros_signs_and_the_extremes_exact():
+    tensor = torch.tensor([0.0, 7.0, -7.0, 1.0, -1.0, 0.0, 3.0])
+    c = compress(tensor, "int4", MIN_BLOCK_SIZE)
+    assert torch.equal(decompress(c), tensor)
+    assert torch.equal(decompress(compress(torch.zeros(65), "int4", 64)), torch.zeros(65))
+    huge = compress(torch.tensor([3e38, -3e38, 1.0]), "int4", 64)
+    assert bool(((decompress(huge) - torch.tensor([3e38, -3e38, 1.0])).abs() <= error_bound(huge)).all())
+
+
+def test_int4_refuses_values_at_float32s_limit_and_non_finite_ones():
+    with pytest.raises(CompressionError, match="cannot be quantized to int4"):
+        compress(torch.tensor([torch.finfo(torch.float32).max]), "int4")
+    with pytest.raises(CompressionError, match="NaN or inf"):
+        compress(torch.tensor([1.0, float("nan")]), "int4")
+
+
+def test_malformed_int4_is_refused():
+    good = compress(torch.arange(5, dtype=torch.float32), "int4", 64)  # 3 bytes, the last padded
+    with pytest.raises(CompressionError, match="needs 3 bytes"):
+        Compressed("int4", (5,), 64, good.data + b"\x88", good.scales)
+    with pytest.raises(CompressionError, match=r"codes must lie in \[-7, 7\]"):
+        decompress(Compressed("int4", (5,), 64, b"\x08" + good.data[1:], good.scales))  # a nibble of 0: code -8
+    with pytest.raises(CompressionError, match="pad its last byte with a zero code"):
+        decompress(Compressed("int4", (5,), 64, good.data[:2] + bytes([good.data[2] & 15 | 0x90]), good.scales))
