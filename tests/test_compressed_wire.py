@@ -88,8 +88,12 @@ def test_compression_is_a_run_flag_and_part_of_the_run_agreement():
     config = config_from_dict(PeerConfig, role.settings)
     assert (config.run.compression, config.run.compression_block_size) == ("int8", 128)
     with pytest.raises(ConfigError, match="compression"):
-        config_from_dict(PeerConfig, parse_role_args(PeerConfig, ["--compression", "int4"], "peer", "").settings)
+        config_from_dict(PeerConfig, parse_role_args(PeerConfig, ["--compression", "int2"], "peer", "").settings)
+    with pytest.raises(ConfigError, match="gradient_compression must be empty"):  # int4 is for activations only
+        config_from_dict(PeerConfig, parse_role_args(PeerConfig, ["--gradient_compression", "int4"], "peer", "").settings)
     assert RunConfig(compression="int8").gradient_codec == "int8"
+    assert RunConfig(compression="int4").gradient_codec == "int8"
+    assert RunConfig(compression="int4", gradient_compression="ternary").gradient_codec == "ternary"
     assert RunConfig(compression="int8", gradient_compression="ternary").gradient_codec == "ternary"
     plain = RunConfig()
     for other in (dataclasses.replace(plain, compression="int8"),
@@ -114,7 +118,7 @@ def test_forward_and_backward_travel_compressed_and_other_methods_exact():
         return {"parameters": [x]}
 
     handlers = {"forward": _forward, "backward": _forward, "parameters": parameters}
-    for codec in ("none", "fp16", "int8"):
+    for codec in ("none", "fp16", "int8", "int4"):
         p2p = LoopbackP2P(servicer(handlers, codec))
         for method in ("forward", "backward"):
             reply = asyncio.run(call_peer(p2p, FakeCaller("peer"), method, {"inputs": x}, timeout=10,

@@ -86,11 +86,13 @@ class BadReply(RuntimeError):
 
 
 def encoded_float_bytes(elements: int, compression: str, block_size: int) -> int:
-    """Bytes ``elements`` float32 values take on the wire in ``compression`` (data and int8 scales)."""
+    """Bytes ``elements`` float32 values take on the wire in ``compression`` (data and the blocks' scales)."""
     if compression == "fp16":
         return 2 * elements
     if compression == "int8":
         return elements + 4 * num_blocks(elements, block_size)
+    if compression == "int4":
+        return -(-elements // 2) + 4 * num_blocks(elements, block_size)
     return HIDDEN_DTYPE.itemsize * elements
 
 

@@ -1,24 +1,28 @@
-"""Lossy compression of float tensors for the wire: float16, or 8 bits per value with a scale per block.
+"""Lossy compression of float tensors for the wire: float16, or 8 or 4 bits per value with a scale per block.
 
 Volunteer links are slow: a home uplink moves a few megabytes a second, and the activations and
 gradients that cross between pipeline stages dominate a step's traffic. Sending them in float16
-halves the bytes; blockwise int8 cuts them almost four times.
+halves the bytes; blockwise int8 cuts them almost four times, and int4 almost eight.
 
 int8 splits the flattened tensor into blocks of ``block_size`` values (the last may be short)
 and stores one float32 scale per block, ``absmax / 127``, with each value rounded to the nearest
 multiple of its block's scale. A scale per block, rather than one per tensor, bounds each
 value's error by the largest value *of its own block*: an outlier coarsens its block only,
-and blocks of small values keep their precision (:func:`error_bound` gives the bound).
+and blocks of small values keep their precision (:func:`error_bound` gives the bound). int4 is the
+same with ``absmax / 7`` and codes in [-7, 7], two to a byte (the even element in the low four bits,
+each stored as ``code + 8``; an odd count pads the last byte with a zero code). Its step is 18 times
+int8's: it suits activations, whose errors the next stage averages over many values, more than
+gradients, which the all-reduce sends in int8 when the run says int4 (see ``RunConfig.gradient_codec``).
 
 Input that has no faithful encoding is refused with :class:`CompressionError`: NaN and inf
 (which would poison a whole block's scale, or the receiver), and for float16 values beyond
 its range (which would silently become inf).
 
 The receiver distrusts every field: the codec must be known, the block size within
-[:data:`MIN_BLOCK_SIZE`, :data:`MAX_BLOCK_SIZE`], the data exactly one byte (int8) or two
-(fp16) per element, the scales exactly one float32 per block, finite and non-negative, the
-codes within [-127, 127], and the decoded values finite. A decoded tensor is float32, so it
-takes four bytes of memory per byte of int8 received.
+[:data:`MIN_BLOCK_SIZE`, :data:`MAX_BLOCK_SIZE`], the data exactly one byte (int8), half a byte
+(int4) or two (fp16) per element, the scales exactly one float32 per block, finite and non-negative, the
+codes within [-127, 127] or [-7, 7] (and an int4 pad zero), and the decoded values finite. A decoded tensor is
+float32, so it takes four bytes of memory per byte of int8 received, and eight per byte of int4.
 """
 
 from __future__ import annotations
@@ -46,11 +50,13 @@ __all__ = [
     "num_blocks",
 ]
 
-CODECS = ("none", "fp16", "int8")
+CODECS = ("none", "fp16", "int8", "int4")
 DEFAULT_BLOCK_SIZE = 256
 MIN_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 4096
 INT8_LEVELS = 127  # codes lie in [-127, 127], symmetric around zero so that 0 stays exact
+INT4_LEVELS = 7  # codes lie in [-7, 7], likewise
+_LEVELS = {"int8": INT8_LEVELS, "int4": INT4_LEVELS}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FP16_MAX = torch.finfo(torch.float16).max
 _MIN_SCALE = torch.finfo(torch.float32).tiny  # a normal float32: keeps x / scale and code * scale accurate
@@ -67,9 +73,9 @@ class CompressionError(ValueError):
 class Compressed:
     """A float tensor in compressed form, ready to send (to several peers alike, without compressing again).
 
-    ``data`` holds one int8 code per element (``int8``) or the float16 values (``fp16``);
-    ``scales`` holds one float32 per block for int8 and is empty for fp16, whose block size is
-    carried but unused. Construction checks that the fields agree with each other.
+    ``data`` holds one int8 code per element (``int8``), two 4-bit codes per byte (``int4``) or the
+    float16 values (``fp16``); ``scales`` holds one float32 per block for int8 and int4 and is empty for
+    fp16, whose block size is carried but unused. Construction checks that the fields agree with each other.
     """
 
     codec: str
@@ -127,10 +133,10 @@ def _check_shape(shape: object) -> Tuple[int, ...]:
 def _check_lengths(c: Compressed) -> None:
     if not isinstance(c.data, (bytes, bytearray)) or not isinstance(c.scales, (bytes, bytearray)):
         raise CompressionError("compressed data and scales must be bytes")
-    data_bytes = c.numel * (1 if c.codec == "int8" else 2)
+    data_bytes = {"int8": c.numel, "int4": -(-c.numel // 2), "fp16": 2 * c.numel}[c.codec]
     if len(c.data) != data_bytes:
         raise CompressionError(f"{c.codec} data of shape {list(c.shape)} needs {data_bytes} bytes, got {len(c.data)}")
-    scale_bytes = 4 * num_blocks(c.numel, c.block_size) if c.codec == "int8" else 0
+    scale_bytes = 4 * num_blocks(c.numel, c.block_size) if c.codec in _LEVELS else 0
     if len(c.scales) != scale_bytes:
         raise CompressionError(
             f"{c.codec} scales of {c.numel} elements in blocks of {c.block_size} need "
@@ -163,20 +169,41 @@ def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.cat([flat, flat.new_zeros(padding)]).view(-1, block_size)
 
 
-def _quantize_int8(flat: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Codes (int8, same length as ``flat``) and one scale per block (float32)."""
+def _quantize(flat: torch.Tensor, block_size: int, codec: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8 values within the codec's levels, same length as ``flat``) and one scale per block (float32)."""
+    levels = _LEVELS[codec]
     blocks = _blocks(flat, block_size)
     absmax = blocks.abs().amax(dim=1)
     nonzero = absmax > 0
-    scales = torch.where(nonzero, (absmax / INT8_LEVELS).clamp_min(_MIN_SCALE), torch.zeros_like(absmax))
-    if not bool(torch.isfinite(scales * INT8_LEVELS).all()):
-        raise CompressionError("values this close to float32's largest cannot be quantized to int8")
+    scales = torch.where(nonzero, (absmax / levels).clamp_min(_MIN_SCALE), torch.zeros_like(absmax))
+    if not bool(torch.isfinite(scales * levels).all()):
+        raise CompressionError(f"values this close to float32's largest cannot be quantized to {codec}")
     divisors = torch.where(nonzero, scales, torch.ones_like(scales))
-    codes = torch.round(blocks / divisors[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    codes = torch.round(blocks / divisors[:, None]).clamp_(-levels, levels).to(torch.int8)
     return codes.view(-1)[: flat.numel()], scales
 
 
-def _dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+def _pack_int4(codes: torch.Tensor) -> bytes:
+    """Two codes a byte, each as ``code + 8``: the even element in the low four bits, an odd count padded with 0."""
+    nibbles = (codes + (INT4_LEVELS + 1)).to(torch.uint8)
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_full((1,), INT4_LEVELS + 1)])
+    pairs = nibbles.view(-1, 2)
+    return _to_bytes(pairs[:, 0] | (pairs[:, 1] << 4))
+
+
+def _unpack_int4(c: Compressed) -> torch.Tensor:
+    """The codes of ``c.data`` (int8 values), refusing the one nibble no code makes and a pad that is not zero."""
+    packed = _from_bytes(c.data, torch.uint8)
+    nibbles = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)
+    if bool((nibbles == 0).any()):
+        raise CompressionError(f"int4 codes must lie in [-{INT4_LEVELS}, {INT4_LEVELS}]")
+    if nibbles.numel() > c.numel and int(nibbles[-1]) != INT4_LEVELS + 1:
+        raise CompressionError("int4 data of an odd length must pad its last byte with a zero code")
+    return nibbles[: c.numel].to(torch.int8) - (INT4_LEVELS + 1)
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
     """Codes times their block's scale, in one float32 buffer (the receiver's peak memory is 4 bytes a code)."""
     values = torch.zeros(scales.numel() * block_size, dtype=torch.float32)
     values[: codes.numel()] = codes
@@ -191,7 +218,8 @@ def _compress_fp16(flat: torch.Tensor) -> bytes:
 
 
 def compress(tensor: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Compressed:
-    """``tensor`` (float32, float16 or bfloat16) in ``codec`` ``"fp16"`` or ``"int8"``; same input, same bytes.
+    """``tensor`` (float32, float16 or bfloat16) in ``codec`` ``"fp16"``, ``"int8"`` or ``"int4"``; same input, same
+    bytes.
 
     ``"none"`` is not accepted: uncompressed tensors are sent as themselves.
     """
@@ -200,14 +228,15 @@ def compress(tensor: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK_S
     flat = _flat_float32(tensor)
     if codec == "fp16":
         return Compressed(codec, tuple(tensor.shape), block_size, _compress_fp16(flat), b"")
-    codes, scales = _quantize_int8(flat, block_size)
-    return Compressed(codec, tuple(tensor.shape), block_size, _to_bytes(codes), _to_bytes(scales))
+    codes, scales = _quantize(flat, block_size, codec)
+    data = _pack_int4(codes) if codec == "int4" else _to_bytes(codes)
+    return Compressed(codec, tuple(tensor.shape), block_size, data, _to_bytes(scales))
 
 
 def _decode_scales(c: Compressed) -> torch.Tensor:
     scales = _from_bytes(c.scales, torch.float32)
     if not bool(torch.isfinite(scales).all()) or bool((scales < 0).any()):
-        raise CompressionError("int8 scales must be finite and non-negative")
+        raise CompressionError(f"{c.codec} scales must be finite and non-negative")
     return scales
 
 
@@ -223,7 +252,8 @@ def decompress(c: Compressed) -> torch.Tensor:
     if c.codec == "fp16":
         values = _from_bytes(c.data, torch.float16).to(torch.float32)
     else:
-        values = _dequantize_int8(_decode_codes(c), _decode_scales(c), c.block_size)
+        codes = _unpack_int4(c) if c.codec == "int4" else _decode_codes(c)
+        values = _dequantize(codes, _decode_scales(c), c.block_size)
     if not all_finite(values):
         raise CompressionError(f"{c.codec} data decodes to NaN or inf")
     return values.view(c.shape)
@@ -232,9 +262,10 @@ def decompress(c: Compressed) -> torch.Tensor:
 def error_bound(c: Compressed) -> torch.Tensor:
     """The largest absolute error of each decoded element, as a float32 tensor of ``c.shape``.
 
-    int8: half a quantization step of the element's block, ``scale / 2 = absmax / 254``,
+    int8 and int4: half a quantization step of the element's block, ``scale / 2`` (``absmax / 254`` and
+    ``absmax / 14``),
     widened by ``2**-15 * scale`` for float32 rounding in the division and the product. A block
-    whose largest value is below ``127 * 2**-126`` uses the step ``2**-126`` instead.
+    whose largest value is below ``levels * 2**-126`` uses the step ``2**-126`` instead.
     fp16: half a float16 ulp of the value, at most ``2**-11 * |decoded| + 2**-25``.
     """
     if c.codec == "fp16":

@@ -37,7 +37,8 @@ __all__ = [
 
 TERNARY_BLOCK = 64  # values per block, with one scale each
 THRESHOLD = 0.7  # of the block's mean magnitude: values above it are sent as ±scale
-GRADIENT_CODECS = (*CODECS, "ternary")  # how a stage's all-reduce may send gradients
+# how a stage's all-reduce may send gradients: int4's step is too coarse for gradients without error feedback
+GRADIENT_CODECS = (*(codec for codec in CODECS if codec != "int4"), "ternary")
 _DIGITS = 5  # ternary digits per byte
 _BYTES_PER_BLOCK = -(-TERNARY_BLOCK // _DIGITS)  # 13
 _TABLE = torch.stack([(torch.arange(3**_DIGITS) // 3**i) % 3 for i in range(_DIGITS)], dim=1).to(torch.uint8)
