@@ -54,6 +54,12 @@ def _parser() -> argparse.ArgumentParser:
         default=st.stage_param_mib,
         help="MiB of gradients each replica averages per step",
     )
+    p.add_argument(
+        "--overlap_averaging",
+        choices=("true", "false"),
+        default="true" if st.overlap_averaging else "false",
+        help="replicas accumulate the next step while a step is averaged (the live --overlap_averaging)",
+    )
     p.add_argument("--steps", choices=("true", "false"), default="true", help="simulate the global-step protocol")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line (last line)")
     return p
@@ -78,6 +84,7 @@ def main(argv: List[str]) -> int:
                 enabled=args.steps == "true",
                 target_batch_size=args.target_batch_size,
                 stage_param_mib=args.stage_param_mib,
+                overlap_averaging=args.overlap_averaging == "true",
             ),
             rebalance=RebalanceConfig(
                 period_s=args.period_s,

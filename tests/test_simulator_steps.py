@@ -114,3 +114,31 @@ def test_an_honest_swarm_under_churn_distrusts_only_replicas_that_are_gone():
     assert summary["global_steps"] > 0
     assert summary["distrusted_departed"] >= 1
     assert summary["distrusted"] == 0
+
+
+@pytest.mark.parametrize("averaging_s", [50.0, 150.0])  # shorter and longer than a step's 100 s of compute
+def test_overlapped_averaging_keeps_replicas_computing(averaging_s):
+    """With the all-reduce overlapped, a step takes its batch's compute or its all-reduce, whichever is longer,
+    instead of both: replicas wait only where the clock holds a whole next batch before the round ends."""
+    mib = averaging_s / allreduce_time_s(1.0, [10_000.0], 0.0)
+    runs = {}
+    for overlap in (False, True):
+        config = _steady(overlap_averaging=overlap)
+        config = dataclasses.replace(config, steps=dataclasses.replace(config.steps, stage_param_mib=mib))
+        runs[overlap] = _run(config).result.steps.summary()
+    serial, overlapped = runs[False], runs[True]
+    config = _steady()
+    fill_s = TARGET / (2 * THROUGHPUT)
+    span = config.duration_s - config.join_time_s
+    assert serial["global_steps"] == pytest.approx(span / (fill_s + averaging_s), abs=1)
+    # the first step applies after its batch and its round; one applies every max(batch, round) after that
+    assert overlapped["global_steps"] == pytest.approx(1 + (span - fill_s - averaging_s) / max(fill_s, averaging_s),
+                                                       abs=1)
+    assert overlapped["wait_replica_s_by_cause"]["averaging"] == 0.0
+    waited_full = overlapped["wait_replica_s_by_cause"]["full"]
+    # only the clock's 2 replicas hold back, for what the round outlasts the next batch
+    assert waited_full == pytest.approx(2 * max(0.0, averaging_s - fill_s) * overlapped["global_steps"], rel=0.1,
+                                        abs=2 * 2 * config.steps.poll_period_s * overlapped["global_steps"])
+    assert TARGET <= overlapped["samples_per_step_p5"] <= overlapped["samples_per_step_p95"] \
+        <= TARGET + 2 * THROUGHPUT * config.steps.poll_period_s + 1
+    assert overlapped["steps_alone"] == overlapped["resyncs"] == overlapped["distrusted"] == 0

@@ -40,6 +40,9 @@ class StepSimConfig:
     distrust_s: float = 120.0  # seconds claims are ignored after a proven lie; the cap for failures (live value)
     resync_time_s: float = 60.0  # seconds a replica spends downloading the stage's state when out of sync
     stalled_peers: Tuple[str, ...] = ()  # peers that announce themselves online but never average (frozen replicas)
+    overlap_averaging: bool = (
+        False  # replicas accumulate the next step while a step is averaged (live --overlap_averaging)
+    )
 
     def __post_init__(self) -> None:
         for name in ("target_batch_size", "max_failed_rounds"):
@@ -50,6 +53,8 @@ class StepSimConfig:
             _positive(f"steps.{name}", getattr(self, name))
         for name in ("stage_param_mib", "resync_time_s"):
             _positive(f"steps.{name}", getattr(self, name), allow_zero=True)
+        if not isinstance(self.overlap_averaging, bool):
+            raise ValueError(f"steps.overlap_averaging must be true or false, got {self.overlap_averaging!r}")
         if not all(isinstance(p, str) and p for p in self.stalled_peers):
             raise ValueError(f"steps.stalled_peers must be peer ids, got {self.stalled_peers!r}")
 

@@ -91,6 +91,7 @@ class _Replica:
     accum_step: int
     stalled: bool = False  # announces itself online but never averages
     pending: float = 0.0
+    frozen: float = 0.0  # samples of the step its overlapped round averages while ``pending`` grows for the next
     rate: float = 0.0
     settled_at: float = 0.0
     waiting: bool = False  # must_wait said so at the last check
@@ -110,6 +111,7 @@ class _Round:
     members: List[str]
     claims: Dict[str, int]  # pending samples the other replicas announced when the step closed
     others: List[str]  # the other replicas in the closing view
+    overlapped: bool = False  # its members accumulate the next step meanwhile (their ``frozen`` samples are averaged)
 
 
 @dataclass
@@ -371,13 +373,20 @@ class StepSim:
         view = self._view(stage, stage.replicas[deciders[0]], claims, clock_steps)
         self._resync_if_needed(stage, majority_state(view), claims, clock_steps)
         if stage.round is not None:
+            if stage.round.overlapped:  # the next step fills meanwhile: the clock holds back once it is full
+                self._hold_back(stage, view)
             return  # the round's end checks again
         if step_is_due(view):
             self._close(stage, view)
             return
+        self._hold_back(stage, view)
+
+    def _hold_back(self, stage: _Stage, view: StageView) -> None:
+        """Whether the stage's replicas must wait before they accumulate more (:func:`must_wait`); the clock's next
+        check comes when that answer could change."""
         wait = must_wait(view)
         for replica in stage.replicas.values():
-            replica.waiting = wait and replica.active(now)
+            replica.waiting = wait and replica.active(self.now)
         if stage.is_clock:
             self._schedule(stage, self._next_clock_check(stage, view))
 
@@ -468,6 +477,8 @@ class StepSim:
             self._apply(stage, [view.peer_id])
         elif len(members) >= 2:
             matchmaking_s = 0.0 if len(members) >= full_group_size(view) else self.config.matchmaking_time_s
+            if self.config.overlap_averaging:
+                self._freeze_for_overlap(stage, members)
             self._start_round(
                 stage,
                 "averaging",
@@ -479,10 +490,23 @@ class StepSim:
         else:
             self._start_round(stage, "failed_rounds", 3.0 * self.config.matchmaking_time_s, "round_failed")
 
-    def _start_round(self, stage: _Stage, cause: str, duration_s: float, kind: str) -> None:
-        for peer_id in self._round(stage).members:
+    def _freeze_for_overlap(self, stage: _Stage, members: List[str]) -> None:
+        """As the live runner's freeze: the members' samples go to the round and they accumulate for the next step."""
+        self._round(stage).overlapped = True
+        for peer_id in members:
             replica = stage.replicas[peer_id]
-            replica.busy_until, replica.busy_cause = self.now + duration_s, cause
+            replica.frozen, replica.pending = replica.pending, 0.0
+            replica.accum_step += 1
+            replica.claim = self._claim_of(replica)
+        if stage.is_clock:  # it holds back once the next step is full, as it would between rounds
+            self._schedule(stage, self.now + self.config.poll_period_s)
+
+    def _start_round(self, stage: _Stage, cause: str, duration_s: float, kind: str) -> None:
+        round_ = self._round(stage)
+        for peer_id in round_.members:
+            replica = stage.replicas[peer_id]
+            if not (round_.overlapped and cause == "averaging"):  # an overlapped round keeps its members computing
+                replica.busy_until, replica.busy_cause = self.now + duration_s, cause
         self._push(self.now + duration_s, kind, stage.index)
 
     def _live_members(self, stage: _Stage) -> List[str]:
@@ -535,7 +559,9 @@ class StepSim:
     def _apply(self, stage: _Stage, members: List[str]) -> None:
         """Apply the step with the members' gradients; the clock's steps are the swarm's global steps."""
         round_, now = self._round(stage), self.now
-        gathered = {p: int(stage.replicas[p].pending) for p in members}
+        gathered = {
+            p: int(stage.replicas[p].frozen if round_.overlapped else stage.replicas[p].pending) for p in members
+        }
         self._distrust(stage, sorted(overclaimers(round_.claims, gathered)))
         self._distrust(stage, sorted(absent_claimants(round_.claims, gathered)), transient=True)
         if len(members) > 1:
@@ -546,8 +572,9 @@ class StepSim:
         for peer_id in members:
             replica = stage.replicas[peer_id]
             replica.history.append((replica.step, replica.digest))
-            replica.step = replica.accum_step = step
-            replica.digest, replica.pending, replica.failed_rounds = digest, 0.0, 0
+            replica.step, replica.accum_step = step, step + 1 if round_.overlapped else step
+            replica.digest, replica.failed_rounds = digest, 0
+            replica.pending, replica.frozen = (replica.pending if round_.overlapped else 0.0), 0.0
             replica.busy_until = min(replica.busy_until, now)
             replica.claim = self._claim_of(replica)
         stage.round, stage.last_state = None, (step, digest)
