@@ -64,6 +64,7 @@ class Case:
     run_args: Sequence[str]  # for every role
     min_fall: float  # nats of validation loss the swarm and its baseline must shed from their initial value
     trainer_args: Sequence[str] = ()
+    peer_args: Sequence[str] = ()
     max_excess: float = 0.05  # relative excess of the swarm's validation loss over its single-process baseline
 
 
@@ -94,6 +95,8 @@ def bpe(tmp_path_factory) -> RunTokenizer:
 def make_case(name: str, bpe: RunTokenizer) -> Case:
     if name in ("gpt", "gpt_int8"):
         return Case(name, MODEL, [] if name == "gpt" else ["--compression", "int8"], MIN_FALL)
+    if name == "gpt_overlap":  # replicas accumulate the next step while one is averaged: gradients one step stale
+        return Case(name, MODEL, [], MIN_FALL, peer_args=["--overlap_averaging", "true"])
     if name == "gpt_int4":  # activations and their gradients in 4 bits, the stage all-reduce in int8
         return Case(name, MODEL, ["--compression", "int4"], MIN_FALL)
     if name == "gpt_int8_boundary":  # stage 0 sends 8 of its 32 values a token, in int8: 16x fewer bytes than float32
@@ -110,7 +113,7 @@ def make_case(name: str, bpe: RunTokenizer) -> Case:
 async def train(launcher, probe, case: Case) -> SwarmRun:
     """Train the swarm of ``case`` and wait until its last global step settles."""
     args = ["--lr", str(LR), *case.run_args]
-    launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, extra=args, wait=False)
+    launcher.wait_ready([launcher.peer(stage, target_batch_size=TARGET, extra=[*args, *case.peer_args], wait=False)
                          for stage in (0, 0, 1, 1)])
     await probe.wait_for(lambda r: all(len(online(r, s)) == 2 for s in (0, 1)), 30, "2 replicas per stage")
     trainers = [launcher.trainer(target_batch_size=TARGET, extra=[*args, *case.trainer_args, "--max_samples",
@@ -161,8 +164,8 @@ def baseline_corpus(case: Case, bpe: RunTokenizer) -> Union[Corpus, TokenizedCor
 
 # a live swarm of six roles: on a 2-core machine that other jobs share it can outlast the suite's 300 s bound
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", ["gpt", "gpt_int8", "gpt_int4", "gpt_int8_boundary", "gpt_ternary",
-                                  "llama_bpe_int8"])
+@pytest.mark.parametrize("name", ["gpt", "gpt_overlap", "gpt_int8", "gpt_int4", "gpt_int8_boundary",
+                                  "gpt_ternary", "llama_bpe_int8"])
 @pytest.mark.long
 async def test_swarm_trains_and_ends_near_single_process(launcher, probe, bpe, name):
     case = make_case(name, bpe)
