@@ -572,7 +572,7 @@ class StepSim:
         for peer_id in members:
             replica = stage.replicas[peer_id]
             replica.history.append((replica.step, replica.digest))
-            replica.step, replica.accum_step = step, step + 1 if round_.overlapped else step
+            replica.step = replica.accum_step = step  # overlapped, it has accumulated for this one since the freeze
             replica.digest, replica.failed_rounds = digest, 0
             replica.pending, replica.frozen = (replica.pending if round_.overlapped else 0.0), 0.0
             replica.busy_until = min(replica.busy_until, now)
