@@ -53,6 +53,8 @@ MAX_TERNARY_EXCESS = 0.09  # the same with ternary gradients, which cost a few p
 # the same with a narrow boundary, whose early steps follow the order of the samples more: the swarm's trainers and the
 # baseline draw different ones, which put the swarm 2.6-4.2% below its baseline in 4 runs
 MAX_BOUNDARY_EXCESS = 0.08
+# the same with overlapped averaging, whose gradients are one step stale: +2.5% to +5.3% in 4 runs of these 16-17 steps
+MAX_OVERLAP_EXCESS = 0.10
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def make_case(name: str, bpe: RunTokenizer) -> Case:
     if name in ("gpt", "gpt_int8"):
         return Case(name, MODEL, [] if name == "gpt" else ["--compression", "int8"], MIN_FALL)
     if name == "gpt_overlap":  # replicas accumulate the next step while one is averaged: gradients one step stale
-        return Case(name, MODEL, [], MIN_FALL, peer_args=["--overlap_averaging", "true"])
+        return Case(name, MODEL, [], MIN_FALL, peer_args=["--overlap_averaging", "true"], max_excess=MAX_OVERLAP_EXCESS)
     if name == "gpt_int4":  # activations and their gradients in 4 bits, the stage all-reduce in int8
         return Case(name, MODEL, ["--compression", "int4"], MIN_FALL)
     if name == "gpt_int8_boundary":  # stage 0 sends 8 of its 32 values a token, in int8: 16x fewer bytes than float32
