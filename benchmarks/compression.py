@@ -60,7 +60,7 @@ from _records import add_record_arguments, write_record  # noqa: E402
 
 from swarm.model.gpt import ModelConfig  # noqa: E402
 from swarm.model.stages import FullModel, stage_skeleton  # noqa: E402
-from swarm.net.compression import compress, decompress  # noqa: E402
+from swarm.net.compression import compress, decompress, gradient_codec  # noqa: E402
 from swarm.net.ternary import ErrorFeedback  # noqa: E402
 from swarm.policy.aggregation import AggregationConfig, robust_aggregate  # noqa: E402
 from swarm.server.robust_allreduce import pack  # noqa: E402
@@ -110,12 +110,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def activation_bytes(codec: str, width: int, seq_len: int) -> int:
-    """One sample's activation and its gradient across one boundary ``width`` values a token wide, in ``codec``."""
+    """One sample's activation and its gradient across one boundary ``width`` values a token wide, in ``codec`` (the
+    gradient in :func:`~swarm.net.compression.gradient_codec` of it: int8 under int4)."""
     tensor = torch.randn(1, seq_len, width, generator=torch.Generator().manual_seed(0))
     if codec == "none":
         return 2 * 4 * tensor.numel()
-    packed = compress(tensor, codec, BLOCK_SIZE)
-    return 2 * (len(packed.data) + len(packed.scales))
+    return sum(compress(tensor, c, BLOCK_SIZE).nbytes for c in (codec, gradient_codec(codec)))
 
 
 def allreduce_bytes(codec: str, hidden: int, seq_len: int, replicas: int, batch_size: int, narrowing: int) -> float:
@@ -139,7 +139,7 @@ class _Wire(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return decompress(compress(grad, ctx.codec, BLOCK_SIZE)), None
+        return decompress(compress(grad, gradient_codec(ctx.codec), BLOCK_SIZE)), None
 
 
 def test_model(narrowing: int, hidden: int) -> ModelConfig:

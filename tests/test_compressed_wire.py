@@ -9,11 +9,12 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any, Dict, List
 
+import msgpack
 import pytest
 import torch
 
 from swarm.client.verification import compression_slack
-from swarm.net.compression import compress, decompress, error_bound
+from swarm.net.compression import compress, decompress, error_bound, gradient_codec
 from swarm.config.settings import PeerConfig, RunConfig
 from swarm.config.loading import ConfigError, config_from_dict, parse_role_args
 from swarm.dht.manifest import run_differences, run_hash, run_settings
@@ -227,3 +228,11 @@ def test_butterfly_int8_codec_round_trips_float64_parts_and_refuses_lies(monkeyp
                                            dtype="float64"))
     assert isinstance(codec, BlockwiseInt8) and codec.estimate_compression_ratio(
         CompressionInfo.from_tensor(part)) == pytest.approx((8 + 32 / 128) / 64)
+
+
+def test_under_int4_values_travel_in_4_bits_and_gradients_in_8():
+    x = activation(64, 1024)
+    message = msgpack.unpackb(encode({"outputs": x, "grad_inputs": x, "grad_outputs": x, "inputs": x}, "int4"))
+    assert {key: message[key]["codec"] for key in message} == {"outputs": "int4", "inputs": "int4",
+                                                              "grad_inputs": "int8", "grad_outputs": "int8"}
+    assert gradient_codec("int4") == "int8" and gradient_codec("fp16") == "fp16" and gradient_codec("none") == "none"

@@ -35,7 +35,7 @@ from hivemind.utils import get_logger
 
 from swarm.client.attacks import TrainerAttack
 from swarm.client.ledger import Contribution, Ledger
-from swarm.net.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, num_blocks
+from swarm.net.compression import DEFAULT_BLOCK_SIZE, check_block_size, check_codec, gradient_codec, num_blocks
 from swarm.model.finite import all_finite
 from swarm.metrics import count_ban
 from swarm.model.gpt import ModelConfig
@@ -341,11 +341,10 @@ class PipelineClient:
             return 0
         if method == "forward" and stage < self.num_stages - 1:
             elements = int(inputs.shape[0]) * int(inputs.shape[1]) * self.model.wire_width
-        elif method == "backward" and stage > 0:
-            elements = inputs.numel()
-        else:
-            return 0
-        return encoded_float_bytes(elements, self.compression, self.block_size)
+            return encoded_float_bytes(elements, self.compression, self.block_size)
+        if method == "backward" and stage > 0:  # the gradients of the inputs
+            return encoded_float_bytes(inputs.numel(), gradient_codec(self.compression), self.block_size)
+        return 0
 
     def _check(self, peer_id: str, stage: int, method: str, message: Mapping[str, Any], reply: Any) -> None:
         reason = check_reply(

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from swarm.net.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from swarm.net.compression import CODECS, MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, gradient_codec
 from swarm.net.ternary import GRADIENT_CODECS
 from swarm.model.devices import parse_device
 from swarm.model.gpt import ModelConfig
@@ -60,7 +60,7 @@ class RunConfig:
         metadata={
             "help": (
                 "how activations, their gradients and the stage all-reduce travel: none (exact), fp16, int8 or int4 "
-                "(lossy: 2x, ~4x and ~7.5x fewer bytes; with int4 the all-reduce sends int8)"
+                "(lossy: 2x, ~4x and ~7.5x fewer bytes; int4 sends gradients, and the all-reduce, in int8)"
             )
         },
     )
@@ -185,7 +185,7 @@ class RunConfig:
         round most of a heavy-tailed gradient to zero, with no error feedback to send it later."""
         if self.gradient_compression:
             return self.gradient_compression
-        return "int8" if self.compression == "int4" else self.compression
+        return gradient_codec(self.compression)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from swarm.net.compression import (
     CompressionError,
     check_block_size,
     check_codec,
+    gradient_codec,
     compress,
     decompress,
 )
@@ -173,10 +174,15 @@ def _to_wire(obj: Any, codec: str = "none", block_size: int = DEFAULT_BLOCK_SIZE
     if isinstance(obj, Compressed):
         return pack_compressed(obj)
     if isinstance(obj, Mapping):
-        return {key: _to_wire(value, codec, block_size) for key, value in obj.items()}
+        return {key: _to_wire(value, _codec_of(key, codec), block_size) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_to_wire(value, codec, block_size) for value in obj]
     return obj
+
+
+def _codec_of(key: Any, codec: str) -> str:
+    """The codec for the value under ``key``: gradients (``grad_*``) in :func:`gradient_codec` of ``codec``."""
+    return gradient_codec(codec) if isinstance(key, str) and key.startswith("grad") else codec
 
 
 def _from_wire(obj: Any, depth: int = 0) -> Any:
@@ -198,7 +204,8 @@ def _from_wire(obj: Any, depth: int = 0) -> Any:
 def encode(message: Mapping[str, Any], compression: str = "none", block_size: int = DEFAULT_BLOCK_SIZE) -> bytes:
     """Serialize a map of plain values, tensors and :class:`~swarm.net.compression.Compressed` tensors.
 
-    With ``compression`` ``"fp16"`` or ``"int8"``, float tensors of at least
+    With ``compression`` ``"fp16"``, ``"int8"`` or ``"int4"`` (gradients, keys ``grad_*``, in int8), float tensors of
+    at least
     :data:`MIN_COMPRESSED_ELEMENTS` elements are sent compressed (the receiver gets float32);
     integer tensors such as token ids and targets, and small tensors, are sent exactly. Raises
     :class:`~swarm.net.compression.CompressionError` for a tensor that cannot be compressed
