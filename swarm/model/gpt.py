@@ -375,8 +375,9 @@ class PipelineStage(nn.Module, metaclass=abc.ABCMeta):
     def forward(
         self, inputs: torch.Tensor, targets: Optional[torch.Tensor] = None, reduction: str = "mean"
     ) -> torch.Tensor:
-        """Tokens [B, T] (first stage) or hidden [B, T, H] -> hidden [B, T, H], or on the last stage the mean loss
-        (``reduction="none"``: the loss of every token, [B, T], which a server splits between merged requests)."""
+        """Tokens [B, T] (first stage) or hidden [B, T, W] -> hidden [B, T, W], or on the last stage the mean loss
+        (``reduction="none"``: the loss of every token, [B, T], which a server splits between merged requests).
+        W is ``config.wire_width``: ``hidden_size``, or ``boundary_dim`` where the run narrows its boundaries."""
         x = self._hidden(self._widen(inputs))
         if not self.is_last:
             return self._narrow(x)
