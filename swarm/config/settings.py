@@ -180,9 +180,8 @@ class RunConfig:
 
     @property
     def gradient_codec(self) -> str:
-        """How the stage all-reduce sends gradients: ``gradient_compression``, or ``compression`` when empty, except that
-        int4 activations come with int8 gradients: int4's step (a fourteenth of its block's largest value) would
-        round most of a heavy-tailed gradient to zero, with no error feedback to send it later."""
+        """How the stage all-reduce sends gradients: ``gradient_compression``, or when empty what gradients travel in
+        under ``compression`` (:func:`~swarm.net.compression.gradient_codec`: int8 under int4)."""
         if self.gradient_compression:
             return self.gradient_compression
         return gradient_codec(self.compression)

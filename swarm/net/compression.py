@@ -14,7 +14,7 @@ each stored as ``code + 8``; an odd count pads the last byte with a zero code). 
 int8's, so it rounds with a dither instead of to the nearest code: ``floor(x / scale + u)`` with ``u`` from a
 fixed pseudo-random pattern in [0, 1). Nearest rounding sends a small value the same wrong way every time (a
 bias that accumulates over the steps of training: +2.3% loss in 6 seeds of ``benchmarks/compression.py``'s
-emulation, against +0.5% dithered); dithered, a value's error averages out over the values and steps it
+emulation, 300 steps with int4 gradients too, against +0.5% dithered); dithered, a value's error averages out over the values and steps it
 meets, and the same input still gives the same bytes. The price is a bound of a whole step instead of half.
 It suits activations, whose errors the next stage averages over many values, and not gradients: under int4 a
 message's gradients (``grad_*`` keys, :func:`gradient_codec`) and the all-reduce travel in int8.
