@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SCHEMA_VERSION = 1
 BENCHMARKS = ("pipeline", "planner", "slow_peer", "attacks", "fuzz", "churn", "rebalance", "batching", "wan", "relay",
-              "containers", "control_plane", "step_traffic", "simulate", "gpu", "compression", "alignment")
+              "containers", "control_plane", "step_traffic", "simulate", "gpu", "compression", "alignment",
+              "averaging")
 MAX_DIRTY_PATHS = 200
 GIT_TIMEOUT_S = 10.0
 GPU_QUERY_TIMEOUT_S = 10.0

@@ -47,6 +47,7 @@ WHAT = {
     "alignment": "honest replicas' gradient cosines, when the alignment check excludes same-norm flippers, "
                  "and what it costs per round",
     "simulate": "the 1,000-peer simulation and the SWARM paper's rebalancing experiment",
+    "averaging": "overlapped against synchronous averaging in a 2+2 swarm over limited links: samples/s, loss",
     "gpu": "a Llama-class stage's training throughput and MFU, a 2-stage swarm against one process on one GPU, "
            "and each stage's peak memory against its estimate",
 }
