@@ -55,6 +55,7 @@ WHAT = {
 # Why a benchmark may have no record on a given machine: said beside its name in the list of missing records.
 NEEDS = {
     "wan": "needs root for network namespaces and tc",
+    "averaging": "needs root for network namespaces and tc",
     "relay": "needs root for network namespaces; its relayed cell waits minutes for libp2p's relay boot delay",
     "containers": "needs a running Docker engine",
     "gpu": "needs a CUDA GPU (--tiny runs on the CPU, for the tests)",
