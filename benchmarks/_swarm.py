@@ -29,7 +29,7 @@ from swarm.dht.records import PeerRecord, TrainerRecord, trainers_key  # noqa: E
 from tests.utils.probe import Probe, online  # noqa: E402
 from tests.utils.processes import FAST_PEER, TINY_MODEL  # noqa: E402
 
-__all__ = ["LiveSwarm", "FAST_PEER", "TINY_MODEL", "online", "accounted", "log", "make_log_dir",
+__all__ = ["LiveSwarm", "FAST_PEER", "TINY_MODEL", "online", "accounted", "log", "make_log_dir", "start_on_host",
            "install_signal_handlers", "counts", "Snapshot", "free_port"]
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -46,6 +46,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_on_host(roles: List[RoleProcess], hosts: Any, host: int, role: str, extra: Sequence[str], log_dir: Path,
+                  label: str) -> RoleProcess:
+    """Start ``role`` in namespace ``host`` of ``hosts`` (a ``peers.netns.Hosts``), listening on that host's address,
+    never loopback; it joins ``roles``, so that one ``stop_all(roles)`` ends it with the rest."""
+    process = RoleProcess(role, [*extra, "--host_maddrs", f"/ip4/{hosts.address(host)}/tcp/0"], log_dir, label,
+                          prefix=hosts.prefix(host))
+    roles.append(process)
+    return process
 
 
 def make_log_dir(given: Optional[str], prefix: str) -> Path:

@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _records import add_record_arguments, write_record  # noqa: E402
-from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir  # noqa: E402
+from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir, start_on_host  # noqa: E402
 from peers.launcher import RoleProcess, stop_all  # noqa: E402
 from peers.netns import Hosts, namespaces_unavailable  # noqa: E402
 
@@ -99,10 +99,7 @@ def run_setting(args, log_dir: Path, overlap: bool) -> Dict[str, Any]:
     roles: List[RoleProcess] = []
 
     def start(role: str, host: int, extra: List[str], label: str) -> RoleProcess:
-        process = RoleProcess(role, [*extra, "--host_maddrs", f"/ip4/{hosts.address(host)}/tcp/0"], log_dir,
-                              f"{name}-{label}", prefix=hosts.prefix(host))
-        roles.append(process)
-        return process
+        return start_on_host(roles, hosts, host, role, extra, log_dir, f"{name}-{label}")
 
     try:
         for host in range(7):

@@ -49,7 +49,7 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _records import add_record_arguments, write_record  # noqa: E402
-from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir  # noqa: E402
+from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir, start_on_host  # noqa: E402
 from peers.launcher import RoleProcess, stop_all  # noqa: E402
 from peers.netns import Hosts, NamespacesUnavailable, namespaces_unavailable  # noqa: E402
 
@@ -104,10 +104,7 @@ def run_cell(args, log_dir: Path, mbit: float, compression: str, hidden: int) ->
     roles: List[RoleProcess] = []
 
     def start(role: str, host: int, extra: List[str], label: str) -> RoleProcess:
-        process = RoleProcess(role, [*extra, "--host_maddrs", f"/ip4/{hosts.address(host)}/tcp/0"], log_dir,
-                              f"{name}-{label}", prefix=hosts.prefix(host))
-        roles.append(process)
-        return process
+        return start_on_host(roles, hosts, host, role, extra, log_dir, f"{name}-{label}")
 
     try:
         for host in range(4):
