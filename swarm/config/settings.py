@@ -182,9 +182,7 @@ class RunConfig:
     def gradient_codec(self) -> str:
         """How the stage all-reduce sends gradients: ``gradient_compression``, or when empty what gradients travel in
         under ``compression`` (:func:`~swarm.net.compression.gradient_codec`: int8 under int4)."""
-        if self.gradient_compression:
-            return self.gradient_compression
-        return gradient_codec(self.compression)
+        return self.gradient_compression or gradient_codec(self.compression)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from swarm.model.finite import all_finite
-from swarm.net.compression import CODECS, CompressionError
+from swarm.net.compression import CODECS, CompressionError, gradient_codec
 
 __all__ = [
     "GRADIENT_CODECS",
@@ -37,8 +37,8 @@ __all__ = [
 
 TERNARY_BLOCK = 64  # values per block, with one scale each
 THRESHOLD = 0.7  # of the block's mean magnitude: values above it are sent as ±scale
-# how a stage's all-reduce may send gradients: int4's step is too coarse for gradients without error feedback
-GRADIENT_CODECS = (*(codec for codec in CODECS if codec != "int4"), "ternary")
+# how a stage's all-reduce may send gradients: what gradients travel in under any codec, and ternary
+GRADIENT_CODECS = (*dict.fromkeys(gradient_codec(codec) for codec in CODECS), "ternary")
 _DIGITS = 5  # ternary digits per byte
 _BYTES_PER_BLOCK = -(-TERNARY_BLOCK // _DIGITS)  # 13
 _TABLE = torch.stack([(torch.arange(3**_DIGITS) // 3**i) % 3 for i in range(_DIGITS)], dim=1).to(torch.uint8)

@@ -505,7 +505,7 @@ class StepSim:
         round_ = self._round(stage)
         for peer_id in round_.members:
             replica = stage.replicas[peer_id]
-            if not (round_.overlapped and cause == "averaging"):  # an overlapped round keeps its members computing
+            if not round_.overlapped:  # an overlapped round keeps its members computing
                 replica.busy_until, replica.busy_cause = self.now + duration_s, cause
         self._push(self.now + duration_s, kind, stage.index)
 
