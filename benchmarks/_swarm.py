@@ -24,12 +24,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peers.launcher import RoleProcess, stop_all  # noqa: E402
+from peers.netns import Hosts  # noqa: E402
 from swarm.dht.store import fetch_records  # noqa: E402
 from swarm.dht.records import PeerRecord, TrainerRecord, trainers_key  # noqa: E402
 from tests.utils.probe import Probe, online  # noqa: E402
 from tests.utils.processes import FAST_PEER, TINY_MODEL  # noqa: E402
 
-__all__ = ["LiveSwarm", "FAST_PEER", "TINY_MODEL", "online", "accounted", "log", "make_log_dir", "start_on_host",
+__all__ = ["LiveSwarm", "FAST_PEER", "TINY_MODEL", "online", "accounted", "log", "make_log_dir", "LimitedHosts",
            "install_signal_handlers", "counts", "Snapshot", "free_port"]
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -48,14 +49,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_on_host(roles: List[RoleProcess], hosts: Any, host: int, role: str, extra: Sequence[str], log_dir: Path,
-                  label: str) -> RoleProcess:
-    """Start ``role`` in namespace ``host`` of ``hosts`` (a ``peers.netns.Hosts``), listening on that host's address,
-    never loopback; it joins ``roles``, so that one ``stop_all(roles)`` ends it with the rest."""
-    process = RoleProcess(role, [*extra, "--host_maddrs", f"/ip4/{hosts.address(host)}/tcp/0"], log_dir, label,
-                          prefix=hosts.prefix(host))
-    roles.append(process)
-    return process
+class LimitedHosts:
+    """``count`` network-namespace hosts (``peers.netns.Hosts``) whose links are limited to ``mbit`` each way, and
+    the roles started on them. Used as a context manager: leaving it stops every role and removes the hosts, also
+    on error or Ctrl-C."""
+
+    def __init__(self, count: int, mbit: float, log_dir: Path, name: str):
+        self.hosts, self.mbit, self.log_dir, self.name = Hosts(count), mbit, log_dir, name
+        self.roles: List[RoleProcess] = []
+
+    def __enter__(self) -> "LimitedHosts":
+        self.hosts.create()
+        try:
+            for host in range(self.hosts.count):
+                self.hosts.limit(host, self.mbit)
+        except BaseException:
+            self.hosts.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            stop_all(self.roles, 10.0)
+        finally:
+            self.hosts.close()
+
+    def start(self, role: str, host: int, extra: Sequence[str], label: str) -> RoleProcess:
+        """Start ``role`` on ``host``, listening on that host's address (never loopback); its log is
+        ``{name}-{label}.log`` in the log directory."""
+        process = RoleProcess(role, [*extra, "--host_maddrs", f"/ip4/{self.hosts.address(host)}/tcp/0"], self.log_dir,
+                              f"{self.name}-{label}", prefix=self.hosts.prefix(host))
+        self.roles.append(process)
+        return process
 
 
 def make_log_dir(given: Optional[str], prefix: str) -> Path:

@@ -44,9 +44,9 @@ from typing import Any, Dict, List, Optional, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _records import add_record_arguments, write_record  # noqa: E402
-from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir, start_on_host  # noqa: E402
-from peers.launcher import RoleProcess, stop_all  # noqa: E402
-from peers.netns import Hosts, namespaces_unavailable  # noqa: E402
+from _swarm import FAST_PEER, LimitedHosts, install_signal_handlers, log, make_log_dir  # noqa: E402
+from peers.launcher import RoleProcess  # noqa: E402
+from peers.netns import namespaces_unavailable  # noqa: E402
 
 BOOTSTRAP, TRAINERS = 0, (5, 6)
 REPLICAS = ((0, 1), (0, 2), (1, 3), (1, 4))  # (stage, host)
@@ -95,32 +95,21 @@ def _loss_at(history: List[Tuple[int, float]], samples: int) -> Optional[float]:
 def run_setting(args, log_dir: Path, overlap: bool) -> Dict[str, Any]:
     """One 2+2 swarm across 7 limited hosts, from bootstrap to figures; removes everything it made."""
     name = f"avg_{'overlap' if overlap else 'sync'}"
-    hosts = Hosts(7).create()
-    roles: List[RoleProcess] = []
-
-    def start(role: str, host: int, extra: List[str], label: str) -> RoleProcess:
-        return start_on_host(roles, hosts, host, role, extra, log_dir, f"{name}-{label}")
-
-    try:
-        for host in range(7):
-            hosts.limit(host, args.mbit)
+    with LimitedHosts(7, args.mbit, log_dir, name) as swarm:
         run = _run_flags(args, name)
-        bootstrap = start("bootstrap", BOOTSTRAP, ["--run_id", name, "--num_stages", "2"], "bootstrap")
+        bootstrap = swarm.start("bootstrap", BOOTSTRAP, ["--run_id", name, "--num_stages", "2"], "bootstrap")
         initial = ["--initial_peers", ",".join(bootstrap.wait_event("bootstrap_ready", READY_TIMEOUT_S)["maddrs"])]
-        peers = [start("peer", host, ["--stage", str(stage), *run, *initial, *FAST_PEER, *SLOW_LINK_PEER,
-                                      "--overlap_averaging", "true" if overlap else "false"], f"s{stage}h{host}")
+        peers = [swarm.start("peer", host, ["--stage", str(stage), *run, *initial, *FAST_PEER, *SLOW_LINK_PEER,
+                                            "--overlap_averaging", "true" if overlap else "false"], f"s{stage}h{host}")
                  for stage, host in REPLICAS]
         for peer in peers:
             peer.wait_event("peer_ready", READY_TIMEOUT_S)
-        trainers = [start("train", host, [*run, *initial, "--max_data_mb", "2", "--batch_size", str(args.batch_size),
-                                          "--max_in_flight", str(args.max_in_flight), "--duration_s",
-                                          str(args.duration_s), "--trainer_seed", str(i), "--log_period_s", "5"],
-                          f"trainer{i}")
+        trainers = [swarm.start("train", host, [*run, *initial, "--max_data_mb", "2", "--batch_size",
+                                                str(args.batch_size), "--max_in_flight", str(args.max_in_flight),
+                                                "--duration_s", str(args.duration_s), "--trainer_seed", str(i),
+                                                "--log_period_s", "5"], f"trainer{i}")
                     for i, host in enumerate(TRAINERS)]
         done = [t.wait_event("trainer_done", args.duration_s + READY_TIMEOUT_S) for t in trainers]
-    finally:
-        stop_all(roles, 10.0)
-        hosts.close()
     samples = sum(int(d["samples_sent"]) for d in done)
     train_s = max(float(d["train_s"]) for d in done)
     losses = [float(d["loss"]) for d in done if isinstance(d.get("loss"), float) and math.isfinite(d["loss"])]

@@ -49,8 +49,7 @@ from typing import Any, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _records import add_record_arguments, write_record  # noqa: E402
-from _swarm import FAST_PEER, install_signal_handlers, log, make_log_dir, start_on_host  # noqa: E402
-from peers.launcher import RoleProcess, stop_all  # noqa: E402
+from _swarm import FAST_PEER, LimitedHosts, install_signal_handlers, log, make_log_dir  # noqa: E402
 from peers.netns import Hosts, NamespacesUnavailable, namespaces_unavailable  # noqa: E402
 
 BOOTSTRAP, STAGE0, STAGE1, TRAINER = range(4)
@@ -100,34 +99,24 @@ def _link_bytes(hosts: Hosts, host: int) -> int:
 def run_cell(args, log_dir: Path, mbit: float, compression: str, hidden: int) -> Dict[str, Any]:
     """One swarm across 4 limited hosts, from bootstrap to figures; removes everything it made."""
     name = f"wan_{int(mbit)}m_{compression.replace('+', '_')}_h{hidden}"
-    hosts = Hosts(4).create()
-    roles: List[RoleProcess] = []
-
-    def start(role: str, host: int, extra: List[str], label: str) -> RoleProcess:
-        return start_on_host(roles, hosts, host, role, extra, log_dir, f"{name}-{label}")
-
-    try:
-        for host in range(4):
-            hosts.limit(host, mbit)
+    with LimitedHosts(4, mbit, log_dir, name) as swarm:
         run = ["--run_id", name, "--num_stages", "2"]
-        bootstrap = start("bootstrap", BOOTSTRAP, run, "bootstrap")
+        bootstrap = swarm.start("bootstrap", BOOTSTRAP, run, "bootstrap")
         initial = bootstrap.wait_event("bootstrap_ready", READY_TIMEOUT_S)["maddrs"]
         common = [*run, "--initial_peers", ",".join(initial), "--target_batch_size", "256", *_model(args, hidden),
                   *_setting(compression, hidden)]
-        peers = [start("peer", host, ["--stage", str(stage), *common, *FAST_PEER], f"s{stage}")
+        peers = [swarm.start("peer", host, ["--stage", str(stage), *common, *FAST_PEER], f"s{stage}")
                  for stage, host in ((0, STAGE0), (1, STAGE1))]
         for peer in peers:
             peer.wait_event("peer_ready", READY_TIMEOUT_S)
-        trainer = start("train", TRAINER, [*common, "--max_data_mb", "2", "--batch_size", str(args.batch_size),
-                                           "--max_in_flight", str(args.max_in_flight), "--duration_s", str(args.duration_s),
-                                           "--refresh_period_s", "0.5", "--log_period_s", "2"], "trainer")
+        trainer = swarm.start("train", TRAINER, [*common, "--max_data_mb", "2", "--batch_size", str(args.batch_size),
+                                                 "--max_in_flight", str(args.max_in_flight), "--duration_s",
+                                                 str(args.duration_s), "--refresh_period_s", "0.5", "--log_period_s",
+                                                 "2"], "trainer")
         trainer.wait_event("trainer_ready", READY_TIMEOUT_S)
-        before = _link_bytes(hosts, TRAINER)
+        before = _link_bytes(swarm.hosts, TRAINER)
         done = trainer.wait_event("trainer_done", args.duration_s + READY_TIMEOUT_S)
-        moved = _link_bytes(hosts, TRAINER) - before
-    finally:
-        stop_all(roles, 10.0)
-        hosts.close()
+        moved = _link_bytes(swarm.hosts, TRAINER) - before
     samples, train_s = done["samples_sent"], done["train_s"]
     return {"bandwidth_mbit": mbit, "hidden": hidden, "compression": compression,
             "tokens_per_s": round(samples * args.seq_len / train_s, 1) if train_s > 0 else None,
