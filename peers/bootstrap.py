@@ -146,7 +146,7 @@ async def _serve_rpcs(dht, run: Optional[RunConfig], tokenizer: Optional[bytes] 
 
 
 async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None, tokenizer: Optional[bytes] = None) -> int:
-    from swarm.dht.node import start_dht, start_run_dht
+    from swarm.dht.node import start_dht, start_run_dht, stop_dht
     from swarm.net.reachability import RELAY_SERVICE_OPTIONS
 
     stop = stop_event()
@@ -210,7 +210,7 @@ async def serve(config: BootstrapConfig, run: Optional[RunConfig] = None, tokeni
     finally:
         for task in tasks:
             task.cancel()
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

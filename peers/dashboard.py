@@ -199,7 +199,7 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
     from swarm.dashboard.join import JoinInfo
     from swarm.dashboard.server import DashboardServer, StateBox
     from swarm.dashboard.state import Snapshot, build_state
-    from swarm.dht.node import start_dht, start_run_dht
+    from swarm.dht.node import start_dht, start_run_dht, stop_dht
 
     stop = stop_event()
     history = History(config.history_len)
@@ -247,7 +247,7 @@ async def serve(config: DashboardConfig, manifest: Any = None, address: Optional
             metrics.shutdown()
         if server is not None:
             server.shutdown()
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -89,7 +89,7 @@ def _start_swarm(config: DemoConfig, log_dir: Path, processes: List[RoleProcess]
 
 
 async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleProcess], stop: asyncio.Event) -> None:
-    from swarm.dht.node import start_dht
+    from swarm.dht.node import start_dht, stop_dht
 
     run = config.run
     dht = start_dht(
@@ -104,7 +104,7 @@ async def _watch(config: DemoConfig, maddrs: Sequence[str], trainers: List[RoleP
                 pass
             print(await status_line(dht, run.run_id, run.num_stages, time.monotonic() - started), flush=True)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def _announce_dashboard(processes: List[RoleProcess]) -> None:

@@ -35,7 +35,7 @@ def run_tokenizer_bytes(config: ExportConfig, joined: bool) -> Optional[bytes]:
 
 async def export(config: ExportConfig, tokenizer: Optional[bytes]) -> List[Path]:
     """Download every stage's checked parameters and write them; returns the files written."""
-    from swarm.dht.node import start_run_dht
+    from swarm.dht.node import start_run_dht, stop_dht
 
     dht = start_run_dht(config.network, config.run, client_mode=True)
     try:
@@ -44,7 +44,7 @@ async def export(config: ExportConfig, tokenizer: Optional[bytes]) -> List[Path]
         _describe(states)
         return await asyncio.get_running_loop().run_in_executor(None, write_export, config, states, tokenizer)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def _describe(states: Sequence[StageState]) -> None:

@@ -33,7 +33,7 @@ def run_tokenizer(config: GenerateConfig, joined: bool) -> Optional[RunTokenizer
 async def generate(config: GenerateConfig, tokenizer: Optional[RunTokenizer]) -> Tuple[GenerationResult, str]:
     """Generate, printing text as it comes; returns the result and the whole generated text."""
     from swarm.client.export import read_run_records
-    from swarm.dht.node import start_run_dht
+    from swarm.dht.node import start_run_dht, stop_dht
     from swarm.dht.records import to_peer_infos
 
     run = config.run
@@ -65,7 +65,7 @@ async def generate(config: GenerateConfig, tokenizer: Optional[RunTokenizer]) ->
         print(pieces[-1], flush=True)
         return result, "".join(pieces)
     finally:
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

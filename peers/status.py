@@ -58,7 +58,7 @@ async def status_line(dht, run_id: str, num_stages: int, elapsed: float) -> str:
 
 
 async def watch(config: StatusConfig) -> int:
-    from swarm.dht.node import start_dht
+    from swarm.dht.node import start_dht, stop_dht
 
     stop = stop_event()
     dht = start_dht(config.network, client_mode=True, run_id=config.run_id, num_stages=config.num_stages)
@@ -73,7 +73,7 @@ async def watch(config: StatusConfig) -> int:
                 pass
         return 0
     finally:
-        dht.shutdown()
+        stop_dht(dht)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

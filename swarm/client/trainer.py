@@ -39,7 +39,7 @@ from swarm.config.settings import PeerConfig, TrainerConfig
 from swarm.training.data import Corpus, load_corpus, load_hf_dataset, validation_batches
 from swarm.training.tokenized import TokenizedCorpus, load_tokenized_corpus, make_sampler
 from swarm.training.tokenizer import load_run_tokenizer
-from swarm.dht.node import start_run_dht
+from swarm.dht.node import start_run_dht, stop_dht
 from swarm.dht.directory import Directory, fresh_for, probe_period_for, settle_for
 from swarm.dht.ledger_fields import ledger_order, with_ledger_fields
 from swarm.dht.store import fetch_records, store_record
@@ -581,8 +581,7 @@ class Trainer:
         self._sampling.shutdown(wait=False, cancel_futures=True)
         if self.corpus is not None:
             self.corpus.close()  # a tokenized corpus stops its tokenizing thread
-        if self.dht is not None and self.dht.is_alive():
-            self.dht.shutdown()
+        stop_dht(self.dht)
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.shutdown()

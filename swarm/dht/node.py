@@ -30,7 +30,15 @@ from swarm.net.listening import listen_and_announce
 from swarm.dht.records import run_schema_validator
 from swarm.dht.validator_cache import RememberingValidator
 
-__all__ = ["start_dht", "start_run_dht", "identity_of", "blacklisted_peers", "store_in_dht", "STORE_TRAVERSAL"]
+__all__ = [
+    "start_dht",
+    "start_run_dht",
+    "stop_dht",
+    "identity_of",
+    "blacklisted_peers",
+    "store_in_dht",
+    "STORE_TRAVERSAL",
+]
 
 logger = get_logger(__name__)
 FRESH_LOOKUP_WORKERS = 2  # nodes asked at once by a lookup that stops at the first fresh copy (hivemind's default: 4)
@@ -39,6 +47,7 @@ NUM_REPLICAS = 5  # nodes that keep each stored value (hivemind's default)
 # (its bucket size); a store needs only the NUM_REPLICAS nearest, so its walk stops once it has asked that many (a read
 # that asks every node near the key still walks the wider beam, so it meets them)
 STORE_TRAVERSAL: Dict[str, int] = {"beam_size": NUM_REPLICAS, "num_workers": FRESH_LOOKUP_WORKERS}
+DHT_EXIT_WAIT_S = 10.0  # seconds a stopped DHT process may take to exit before it is killed
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
 
@@ -100,11 +109,31 @@ def start_dht(
     dht.listen_maddrs = host_maddrs
     dht.identity = identity  # lives in this (parent) process only; the DHT process has the key in its validator
     if str(dht.peer_id) != identity.peer_id:
-        dht.shutdown()
+        stop_dht(dht)
         raise RuntimeError(f"p2pd runs as {dht.peer_id}, but the identity at {identity.path} is {identity.peer_id}")
     if run_id is not None:
         dht.run_coroutine(_blacklist_nodes_that_answer_junk)
     return dht
+
+
+def stop_dht(dht: Optional[DHT]) -> None:
+    """Shut the DHT process down and wait until it has exited; a second call does nothing.
+
+    hivemind's shutdown closes its pipe to the process and, past a grace period, terminates the process
+    without waiting for it. A second shutdown while that process is still exiting finds it alive and writes
+    to the closed pipe ("handle is closed"), so this waits for the exit, and kills a process that ignores
+    the terminate."""
+    if dht is None or not dht.is_alive():
+        return
+    try:
+        dht.shutdown()
+    except OSError:  # an earlier shutdown closed the pipe and the process is on its way out
+        pass
+    dht.join(DHT_EXIT_WAIT_S)
+    if dht.is_alive():
+        logger.warning(f"the DHT process {dht.pid} did not exit within {DHT_EXIT_WAIT_S:.0f} s; killing it")
+        dht.kill()
+        dht.join(DHT_EXIT_WAIT_S)
 
 
 def start_run_dht(

@@ -27,7 +27,7 @@ from hivemind.utils import get_logger
 from swarm.dht.agreement import RunFilter, check_run_agreement
 from swarm.config.settings import PeerConfig
 from swarm.dht.auth import Allowlist
-from swarm.dht.node import identity_of, start_run_dht
+from swarm.dht.node import identity_of, start_run_dht, stop_dht
 from swarm.net.direct import DIRECT_SESSION_METHOD, DirectServer, listen_hosts
 from swarm.dht.directory import Directory, fresh_for, probe_period_for, settle_for
 from swarm.model.footprint import check_peer_fits
@@ -312,16 +312,17 @@ class StagePeer:
         self.shutdown()
 
     def shutdown(self) -> None:
-        if self.state is not PeerState.STOPPED:
-            self.lifecycle.to(PeerState.STOPPED)
+        """Stop every task and process the peer started; a second call (after :meth:`leave`) does nothing."""
+        if self.state is PeerState.STOPPED:
+            return
+        self.lifecycle.to(PeerState.STOPPED)
         self.stopping.set()
         for task in self._tasks + ([self.coordinator_task] if self.coordinator_task else []):
             task.cancel()
         if self.averager is not None and self.averager.is_alive():
             self.averager.shutdown()
         self.compute.shutdown()
-        if self.dht is not None and self.dht.is_alive():
-            self.dht.shutdown()
+        stop_dht(self.dht)
         server, self.metrics_server = self.metrics_server, None
         if server is not None:
             server.shutdown()

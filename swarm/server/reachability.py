@@ -15,7 +15,7 @@ from hivemind import DHT
 from hivemind.utils import get_logger
 
 from swarm.config.settings import NetworkConfig, RunConfig
-from swarm.dht.node import identity_of, start_run_dht
+from swarm.dht.node import identity_of, start_run_dht, stop_dht
 from swarm.net.addresses import announceable, listens_on_any
 from swarm.net.reachability import Verdict, own_verdict, relay_addresses, relayed_options
 
@@ -57,7 +57,7 @@ async def reach_or_relay(dht: DHT, network: NetworkConfig, run: RunConfig, owns_
         )
         return Reach(dht, maddrs, verdict)
     identity = identity_of(dht)
-    dht.shutdown()
+    stop_dht(dht)
     # the same peer id; a DHT client, since the other DHT nodes could not reach it to ask it anything
     relayed = start_run_dht(
         network, run, client_mode=True, p2p_options=relayed_options(network.initial_peers), identity=identity
