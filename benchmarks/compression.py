@@ -17,8 +17,7 @@ all-reduce):
   loss                         validation loss after ``--steps`` steps of data-parallel training of the test
                                model (2 layers, hidden 32, 2 stages) by R emulated replicas in this process:
                                each replica computes its gradient on its own micro-batch, sends it through the
-                               setting's codec (with error feedback for ternary, as the averager keeps it), the
-                               decoded gradients are combined by :func:`swarm.policy.aggregation.robust_aggregate`
+                               setting's codec, the decoded gradients are combined by :func:`swarm.policy.aggregation.robust_aggregate`
                                and every stage steps its AdamW. The network and the pipeline are left out: the
                                codecs, the aggregation and the optimizer are the swarm's own. Mean over
                                ``--seeds``; ``loss_vs_uncompressed`` is the mean of each seed's relative excess
@@ -49,7 +48,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -61,7 +60,6 @@ from _records import add_record_arguments, write_record  # noqa: E402
 from swarm.model.gpt import ModelConfig  # noqa: E402
 from swarm.model.stages import FullModel, stage_skeleton  # noqa: E402
 from swarm.net.compression import compress, decompress, gradient_codec  # noqa: E402
-from swarm.net.ternary import ErrorFeedback  # noqa: E402
 from swarm.policy.aggregation import AggregationConfig, robust_aggregate  # noqa: E402
 from swarm.server.robust_allreduce import pack  # noqa: E402
 from swarm.training.data import load_corpus, validation_batches  # noqa: E402
@@ -166,7 +164,6 @@ def train(setting: Setting, steps: int, seed: int, args: argparse.Namespace, cor
     optimizer_config = OptimizerConfig(lr=args.lr)
     optimizers = [make_optimizer(params, optimizer_config) for params in stage_params]
     samplers = [make_sampler(corpus, TEST_MODEL.seq_len, args.batch_size, 10 * seed + r) for r in range(args.replicas)]
-    feedback = [[ErrorFeedback() for _ in stage_params] for _ in range(args.replicas)]
     aggregation = AggregationConfig()
     for _ in range(steps):
         sent: List[Dict[str, torch.Tensor]] = [{} for _ in stage_params]
@@ -176,12 +173,7 @@ def train(setting: Setting, steps: int, seed: int, args: argparse.Namespace, cor
             loss_of(model, inputs, targets, activations).backward()
             for stage, params in enumerate(stage_params):
                 gradient = torch.cat([p.grad.reshape(-1) for p in params])
-                keeper: Optional[ErrorFeedback] = feedback[replica][stage] if codec == "ternary" else None
-                prepared = keeper.prepare(gradient) if keeper is not None else gradient
-                decoded = pack(prepared, codec, BLOCK_SIZE).vector
-                if keeper is not None:
-                    keeper.settle(prepared, decoded)
-                sent[stage][f"replica{replica}"] = decoded
+                sent[stage][f"replica{replica}"] = pack(gradient, codec, BLOCK_SIZE).vector
         for stage, params in enumerate(stage_params):
             claims = {name: float(args.batch_size) for name in sent[stage]}
             combined = robust_aggregate(sent[stage], claims, aggregation).vector

@@ -52,9 +52,8 @@ async def test_replicas_identical_and_stages_in_step(launcher, probe):
 @pytest.mark.long
 @pytest.mark.parametrize("codec", ["int8", "ternary"])
 async def test_replicas_averaging_compressed_gradients_stay_identical(launcher, probe, codec):
-    """Activations, their gradients and the stage all-reduce in int8, or gradients in ternary (each replica
-    keeping its own residual for error feedback): each replica aggregates the decoded gradients (its own
-    included), so the replicas of a stage still hold bit-identical parameters."""
+    """Activations, their gradients and the stage all-reduce in int8, or gradients in ternary: each replica
+    aggregates the decoded gradients (its own included), so the replicas of a stage still hold bit-identical parameters."""
     settings = ["--compression", "int8"] if codec == "int8" else ["--gradient_compression", "ternary"]
     replicas = [launcher.peer(0, target_batch_size=32, extra=settings, wait=False) for _ in range(2)]
     last = launcher.peer(1, target_batch_size=32, extra=settings, wait=False)

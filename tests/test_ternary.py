@@ -1,5 +1,5 @@
 """The all-reduce's ternary codec: its stated error on random and adversarial gradients, malformed data
-refused, and error feedback that makes what was sent track what was computed."""
+refused, and most of a gradient sent (nothing is carried into the next step)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from swarm.net.compression import CompressionError
-from swarm.net.ternary import (TERNARY_BLOCK, THRESHOLD, ErrorFeedback, check_gradient_codec, decode_ternary,
+from swarm.net.ternary import (TERNARY_BLOCK, THRESHOLD, check_gradient_codec, decode_ternary,
                                encode_ternary, ternary_bytes)
 
 BFLOAT16_ROUNDING = 2.0**-8  # relative error of a scale rounded to bfloat16
@@ -101,19 +101,12 @@ def test_malformed_data_is_refused():
         decode_ternary(bytes(bad), size)
 
 
-def test_error_feedback_tracks_the_sum_of_the_gradients():
-    """A gradient whose small coordinates the encoding sends as 0 on their own: with the residual added back
-    they go out too, and what was sent over many steps stays within one residual of the truth."""
-    gradient = torch.full((512,), 0.05)
-    gradient[::8] = 1.0  # each block: 8 values of 1.0 and 56 of 0.05, below 0.7 x the block's mean magnitude
-    feedback, sent_total = ErrorFeedback(), torch.zeros(512)
-    for _ in range(200):
-        prepared = feedback.prepare(gradient)
-        sent = decode_ternary(encode_ternary(prepared), 512)
-        feedback.settle(prepared, sent)
-        sent_total += sent
-    assert bool((sent_total > 0).all())  # every coordinate went out
-    assert torch.allclose(sent_total + feedback.residual, 200 * gradient, rtol=1e-4, atol=1e-3)
-    assert float((sent_total / 200 - gradient).abs().max()) < 0.02  # within a residual of 200 steps' sum
-    plain = decode_ternary(encode_ternary(gradient), 512)
-    assert int((plain == 0).sum()) == 448  # without feedback the small coordinates never go out
+def test_most_of_a_gaussian_gradient_goes_out_and_the_decoded_one_points_the_same_way():
+    """What the encoding drops is not sent later, so most coordinates must get their update: at the threshold of
+    0.3 x the block's mean magnitude about 81% of a Gaussian gradient's values go out (2 (1 - Phi(0.3 sqrt(2 / pi))));
+    at 0.7 only 58% would. The decoded gradient still points where the true one does (cosine about 0.86)."""
+    gradient = torch.randn(TERNARY_BLOCK * 1000, generator=torch.Generator().manual_seed(0))
+    decoded = decode_ternary(encode_ternary(gradient), gradient.numel())
+    assert 0.79 < float((decoded != 0).float().mean()) < 0.83
+    assert float(torch.nn.functional.cosine_similarity(gradient, decoded, dim=0)) > 0.85
+    assert float((decoded - gradient).norm() / gradient.norm()) < 0.52

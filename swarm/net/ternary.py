@@ -1,15 +1,19 @@
-"""Ternary gradients with error feedback: the stage all-reduce's codec below 2 bits a value.
+"""Ternary gradients: the stage all-reduce's codec below 2 bits a value.
 
 A replica's gradient is cut into blocks of :data:`TERNARY_BLOCK` (64) values. In each block the values larger
-in magnitude than 0.7 times the block's mean magnitude travel as their sign times one scale, the mean
-magnitude of those values (Li et al., "Ternary weight networks", 2016, choose the threshold so); the others
-travel as 0. Five ternary digits fit one byte (3^5 = 243), so a block costs 13 bytes and a bfloat16 scale:
-15 bytes instead of the 256 of float32, 17x fewer. The scale's rounding to bfloat16 errs by at most 2^-8 of
-it (2^-133 absolute below bfloat16's smallest normal, as float32's, 2^-126).
+in magnitude than :data:`THRESHOLD` (0.3) times the block's mean magnitude travel as their sign times one scale,
+the mean magnitude of those values (the scale that errs least for the values sent; Li et al., "Ternary weight
+networks", 2016); the others travel as 0. Five ternary digits fit one byte (3^5 = 243), so a block costs 13
+bytes and a bfloat16 scale: 15 bytes instead of the 256 of float32, 17x fewer. The scale's rounding to bfloat16
+errs by at most 2^-8 of it (2^-133 absolute below bfloat16's smallest normal, as float32's, 2^-126).
 
-What a block's encoding misses is not lost: the sender keeps it as a residual and adds it to its next gradient
-(error feedback, :class:`ErrorFeedback`), so the sum of what was sent tracks the sum of the true gradients
-(Karimireddy et al., "Error feedback fixes SignSGD", 2019).
+What a block's encoding misses is dropped, not carried into the next step: the stage's optimizer is AdamW,
+which divides each coordinate's step by its own running magnitude, and a residual added back to later
+gradients (error feedback) arrives there as a burst that the optimizer scales up. In the emulated training of
+``benchmarks/compression.py`` error feedback at threshold 0.7 cost +2.1% and +3.3% over float32 at 100 and 300
+steps, and no residual at threshold 0.3 +0.6% and -0.9% (at 0.7 with no residual +1.5% and +0.7%). Since
+nothing dropped is sent later, the low threshold lets most coordinates get their update in every step (81% of
+a Gaussian block's values go out, 58% at 0.7); and no replica keeps a gradient-sized residual in memory.
 
 The wire length depends only on the vector's size. Every field is distrusted: scales must be finite and
 non-negative, each byte below 243, and the digits past the vector's end zero; anything else is a
@@ -17,8 +21,6 @@ non-negative, each byte below 243, and the digits past the vector's end zero; an
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -28,7 +30,6 @@ from swarm.net.compression import CODECS, CompressionError, gradient_codec
 __all__ = [
     "GRADIENT_CODECS",
     "TERNARY_BLOCK",
-    "ErrorFeedback",
     "check_gradient_codec",
     "decode_ternary",
     "encode_ternary",
@@ -36,7 +37,7 @@ __all__ = [
 ]
 
 TERNARY_BLOCK = 64  # values per block, with one scale each
-THRESHOLD = 0.7  # of the block's mean magnitude: values above it are sent as ±scale
+THRESHOLD = 0.3  # of the block's mean magnitude: values above it are sent as ±scale
 # how a stage's all-reduce may send gradients: what gradients travel in under any codec, and ternary
 GRADIENT_CODECS = (*dict.fromkeys(gradient_codec(codec) for codec in CODECS), "ternary")
 _DIGITS = 5  # ternary digits per byte
@@ -130,20 +131,3 @@ def _beyond(size: int, blocks: int) -> torch.Tensor:
     width = _BYTES_PER_BLOCK * _DIGITS
     last = size - (blocks - 1) * TERNARY_BLOCK
     return torch.arange((blocks - 1) * width + last, (blocks - 1) * width + TERNARY_BLOCK)
-
-
-class ErrorFeedback:
-    """What a sender's encoding missed, added to its next gradient: :meth:`prepare` gives the vector to encode
-    (the gradient plus the residual), :meth:`settle` keeps what that vector's encoding missed once the encoded
-    gradient was really used (a round this member sat out keeps the old residual)."""
-
-    def __init__(self) -> None:
-        self.residual: Optional[torch.Tensor] = None
-
-    def prepare(self, gradient: torch.Tensor) -> torch.Tensor:
-        if self.residual is None or self.residual.shape != gradient.shape:
-            return gradient
-        return gradient + self.residual
-
-    def settle(self, prepared: torch.Tensor, sent: torch.Tensor) -> None:
-        self.residual = (prepared - sent).detach()

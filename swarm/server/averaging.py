@@ -59,8 +59,8 @@ from swarm.net.compression import (
     compress,
     decompress,
 )
-from swarm.net.ternary import ErrorFeedback, check_gradient_codec
-from swarm.policy.aggregation import Aggregate, AggregationConfig, adds_nothing
+from swarm.net.ternary import check_gradient_codec
+from swarm.policy.aggregation import Aggregate, AggregationConfig
 from swarm.policy.alignment import AlignmentRecord
 from swarm.server.robust_allreduce import IncompleteRound, RobustRound
 from swarm.server.state_sharing import StateSharingAverager
@@ -252,8 +252,6 @@ class StageAverager(StateSharingAverager):
                 "parts of gradients, and a sum of ternary parts is no longer ternary"
             )
         self._compression, self._block_size = compression, check_block_size(block_size)
-        # what the ternary encoding missed of this replica's gradients, sent with its next one (averager's process)
-        self._feedback = ErrorFeedback() if compression == "ternary" else None
         if aggregation is None and compression != "none":
             kwargs["compression"] = butterfly_compression(compression, block_size)
         self._allowlist = Allowlist.of(allowlist)
@@ -529,14 +527,12 @@ class StageAverager(StateSharingAverager):
         self._banned = {peer: until for peer, until in self._banned.items() if until > now}
         vector = torch.cat([t.reshape(-1) for t in tensors]).to(torch.float32)
         samples = float(kwargs.get("weight") or 0.0)
-        feedback = self._feedback if self._feedback is not None and not adds_nothing(samples) else None
-        prepared = feedback.prepare(vector) if feedback is not None else vector
         round_ = RobustRound(
             stub_for=lambda peer: self.get_stub(self.background_p2p, peer, namespace=self.prefix),
             group_id=group_id,
             peer_ids=group_info.peer_ids,
             peer_id=self.peer_id,
-            vector=prepared,
+            vector=vector,
             samples=samples,
             key=self._signing_key,
             config=self._aggregation,
@@ -558,8 +554,6 @@ class StageAverager(StateSharingAverager):
         self._accuse_opposed(outcome)
         for peer in outcome.banned:
             self._banned[peer] = time.monotonic() + self._ban_s
-        if feedback is not None and round_.contribution is not None and str(self.peer_id) in outcome.included:
-            feedback.settle(prepared, round_.contribution)  # what went in; the rest waits for the next round
         if outcome.vector is None:
             raise MatchmakingException("robust averaging had no usable contribution")
         offset = 0
