@@ -302,12 +302,11 @@ async def test_a_sign_flipping_replica_leaves_the_loss_within_5_percent_of_clean
     assert any(f"excluding {attacker_id} from averaging" in p.log_tail(2000) for p in honest)
 
 
-async def test_ternary_rounds_agree_send_17x_fewer_gradient_bytes_and_send_what_they_missed_later(group_factory):
+async def test_ternary_rounds_agree_send_17x_fewer_gradient_bytes_and_carry_nothing_over(group_factory):
     """Gradients travel as 0 or ±the scale of their block of 64: the honest members still end bit for bit alike,
-    each moves 2 x 2 ternary gradients a round instead of float32 ones, and what a round's encoding missed goes
-    out in the next one (error feedback): a second round of the same gradients sends other values (without
-    feedback it would repeat the first exactly), and the two sum closer to twice their mean than twice the first
-    round does."""
+    each moves 2 x 2 ternary gradients a round instead of float32 ones, the result points where the mean of the
+    gradients does, and what a round's encoding missed is not carried into the next: a second round of the same
+    gradients gives the same result bit for bit."""
     from swarm.net.ternary import ternary_bytes
     grads = [honest_grads(i) for i in range(3)]
     group = group_factory(["none"] * 3, robust=True, compression="ternary")
@@ -320,10 +319,8 @@ async def test_ternary_rounds_agree_send_17x_fewer_gradient_bytes_and_send_what_
     saved = 2 * 2 * (4 * size - ternary_bytes(size))  # each member sends 2 gradients and receives 2
     for coded, dense in zip(first, exact):
         assert dense is not None and dense.wire_bytes - coded.wire_bytes == pytest.approx(saved, rel=0.05)
+    once, dense_mean = flat(first[0].tensors), flat(exact[0].tensors)
+    assert float(torch.nn.functional.cosine_similarity(once, dense_mean, dim=0)) > 0.8
     second = await group.round(grads)
     assert all(r is not None and len(r.included) == 3 for r in second), second
-    mean = sum(flat(g) for g in grads) / 3
-    norm = torch.linalg.vector_norm
-    once, again = flat(first[0].tensors), flat(second[0].tensors)
-    assert not torch.equal(once, again)
-    assert float(norm(once + again - 2 * mean)) < 0.9 * float(norm(2 * once - 2 * mean))  # 0.81 measured
+    assert torch.equal(once, flat(second[0].tensors))

@@ -71,7 +71,7 @@ class RunConfig:
             "help": (
                 "how the stage all-reduce sends gradients: empty = as `compression` (int8 for int4); none, fp16, int8, "
                 "or ternary "
-                "(each value as 0 or ±the scale of its block of 64, what that misses sent later by error feedback: "
+                "(each value as 0 or ±the scale of its block of 64, values below 0.3 x its mean magnitude dropped: "
                 "17x fewer bytes than float32; needs defences on)"
             )
         },
