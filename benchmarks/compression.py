@@ -25,16 +25,21 @@ all-reduce):
                                The activations and their gradients go through the setting's codec at the stage
                                boundary as they do on the wire, and a ``boundaryN`` setting trains the test model
                                (``--loss_hidden`` wide) with ``boundary_dim = loss_hidden / N``: its loss is the narrow model's, on the same samples.
+                               An ``overlap`` setting applies each step's averaged gradient one step late, as
+                               ``--overlap_averaging`` does: the replicas compute step t+1's gradients on the
+                               parameters before step t's update; the last step's lands at the end, so it trains
+                               on the same samples and applies as many steps.
 
   tokens_per_s_50mbit          not measured by this script (null): a live 2+2 swarm at 50 Mbit/s is
                                ``benchmarks/wan.py``'s (activations only, one replica a stage).
 
 An emulated run reproduces the live convergence test closely: top-k at 16 of 256 gave +25.9% here at 18
-steps and +26.6% in the live 2x2 swarm at 17; ternary +3.7% (mean of 5 seeds, 20 steps) and +4.0% live.
+steps and +26.6% in the live 2x2 swarm at 17; ternary -0.04% here (mean of 3 seeds, 20 steps) and -0.34% to +0.07%
+live (3 runs of 14-18 steps).
 
 Output: progress lines, then one JSON list, one object per setting: {"setting", "compression",
-"gradient_compression", "steps", "boundary_dim", "activation_bytes_per_sample", "allreduce_bytes_per_sample", "loss",
-"loss_vs_uncompressed", "tokens_per_s_50mbit"}.
+"gradient_compression", "steps", "boundary_dim", "overlap_averaging", "activation_bytes_per_sample",
+"allreduce_bytes_per_sample", "loss", "loss_vs_uncompressed", "tokens_per_s_50mbit"}.
 
 Usage: python benchmarks/compression.py [--settings fp32,int8,int8+ternary] [--steps 20,100,300] [--seeds 1,2,3]
 """
@@ -48,7 +53,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -67,19 +72,23 @@ from swarm.training.optimizer import OptimizerConfig, make_optimizer, optimizer_
 from swarm.training.single_process import evaluate  # noqa: E402
 from swarm.training.tokenized import make_sampler  # noqa: E402
 
-Setting = Tuple[str, str, int]  # (compression, gradient_compression, how many times the boundary narrows: 1 = not)
+# (compression, gradient_compression, how many times the boundary narrows: 1 = not, overlapped averaging)
+Setting = Tuple[str, str, int, bool]
 SETTINGS: Dict[str, Setting] = {
-    "fp32": ("none", "none", 1),
-    "fp16": ("fp16", "fp16", 1),
-    "int8": ("int8", "int8", 1),
-    "fp32+ternary": ("none", "ternary", 1),
-    "int8+ternary": ("int8", "ternary", 1),
-    "int8+boundary2": ("int8", "int8", 2),
-    "int8+boundary4": ("int8", "int8", 4),
-    "int8+boundary4+ternary": ("int8", "ternary", 4),
-    "int4": ("int4", "int8", 1),
-    "int4+boundary2": ("int4", "int8", 2),
-    "int4+boundary4": ("int4", "int8", 4),
+    "fp32": ("none", "none", 1, False),
+    "fp16": ("fp16", "fp16", 1, False),
+    "int8": ("int8", "int8", 1, False),
+    "fp32+ternary": ("none", "ternary", 1, False),
+    "int8+ternary": ("int8", "ternary", 1, False),
+    "int8+boundary2": ("int8", "int8", 2, False),
+    "int8+boundary4": ("int8", "int8", 4, False),
+    "int8+boundary4+ternary": ("int8", "ternary", 4, False),
+    "int4": ("int4", "int8", 1, False),
+    "int4+boundary2": ("int4", "int8", 2, False),
+    "int4+boundary4": ("int4", "int8", 4, False),
+    "fp32+overlap": ("none", "none", 1, True),
+    "int8+overlap": ("int8", "int8", 1, True),
+    "int8+ternary+overlap": ("int8", "ternary", 1, True),
 }
 TEST_MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)  # as tests/test_convergence.py
 BLOCK_SIZE = 256
@@ -158,13 +167,22 @@ def loss_of(model: FullModel, inputs: torch.Tensor, targets: torch.Tensor, codec
 def train(setting: Setting, steps: int, seed: int, args: argparse.Namespace, corpus, batches) -> float:
     """Validation loss after ``steps`` steps of R emulated replicas of ``setting``'s model whose activations and
     gradients go through its codecs."""
-    activations, codec, narrowing = setting
+    activations, codec, narrowing, overlap = setting
     model = FullModel(test_model(narrowing, args.loss_hidden), 2, 0)
     stage_params = [list(stage.parameters()) for stage in model.stages]
     optimizer_config = OptimizerConfig(lr=args.lr)
     optimizers = [make_optimizer(params, optimizer_config) for params in stage_params]
     samplers = [make_sampler(corpus, TEST_MODEL.seq_len, args.batch_size, 10 * seed + r) for r in range(args.replicas)]
     aggregation = AggregationConfig()
+    averaging: List[Optional[torch.Tensor]] = [None for _ in stage_params]  # overlapped: each stage's round under way
+
+    def apply(stage: int, combined: torch.Tensor) -> None:
+        offset = 0
+        for p in stage_params[stage]:
+            p.grad = combined[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
+        optimizer_step(stage_params[stage], optimizers[stage], optimizer_config)
+
     for _ in range(steps):
         sent: List[Dict[str, torch.Tensor]] = [{} for _ in stage_params]
         for replica, sampler in enumerate(samplers):
@@ -179,11 +197,13 @@ def train(setting: Setting, steps: int, seed: int, args: argparse.Namespace, cor
             combined = robust_aggregate(sent[stage], claims, aggregation).vector
             if combined is None:
                 raise RuntimeError("the aggregation left every replica out")
-            offset = 0
-            for p in params:
-                p.grad = combined[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
-                offset += p.numel()
-            optimizer_step(params, optimizers[stage], optimizer_config)
+            if overlap:  # this step's average lands once the next step's gradients are computed
+                combined, averaging[stage] = averaging[stage], combined
+            if combined is not None:
+                apply(stage, combined)
+    for stage, combined in enumerate(averaging):  # the last round completes: every sample's gradient is applied
+        if combined is not None:
+            apply(stage, combined)
     return evaluate(model, batches)
 
 
@@ -201,12 +221,12 @@ def main(args: argparse.Namespace) -> Tuple[List[dict], Dict[str, List[float]]]:
             for seed in seeds:
                 started = time.monotonic()
                 losses[(setting, steps, seed)] = train(setting, steps, seed, args, corpus, batches)
-                print(f"{'/'.join(map(str, setting)):>18}, {steps:>4} steps, seed {seed}: loss "
+                print(f"{'/'.join(map(str, setting)):>24}, {steps:>4} steps, seed {seed}: loss "
                       f"{losses[(setting, steps, seed)]:.4f} ({time.monotonic() - started:.1f} s)", flush=True)
     rows, raw = [], {}
     for name in names:
         setting = SETTINGS[name]
-        compression, gradients, narrowing = setting
+        compression, gradients, narrowing, overlap = setting
         activations = activation_bytes(compression, args.hidden // narrowing, args.seq_len)
         allreduce = round(allreduce_bytes(gradients, args.hidden, args.seq_len, args.replicas, args.batch_size,
                                            narrowing), 1)
@@ -216,7 +236,7 @@ def main(args: argparse.Namespace) -> Tuple[List[dict], Dict[str, List[float]]]:
             raw[f"loss_vs_uncompressed[{name}, {steps} steps]"] = [round(e, 5) for e in excess]
             rows.append({
                 "setting": name, "compression": compression, "gradient_compression": gradients, "steps": steps,
-                "boundary_dim": args.hidden // narrowing if narrowing > 1 else 0,
+                "boundary_dim": args.hidden // narrowing if narrowing > 1 else 0, "overlap_averaging": overlap,
                 "activation_bytes_per_sample": activations,
                 "allreduce_bytes_per_sample": allreduce,
                 "loss": round(statistics.mean(losses[(setting, steps, s)] for s in seeds), 4),
