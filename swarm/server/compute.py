@@ -1,8 +1,6 @@
 """The peer's one compute thread, and the count of the work that waits for it or is being served.
 
-All torch work of a stage peer runs on one thread, so that requests queue instead of competing for cores;
-only closing a step (``StageRunner.freeze``: a swap of the gradient sums under the runner's lock) runs beside it,
-so that a stage's all-reduce never waits for the requests queued here.
+All torch work of a stage peer runs on one thread, so that requests queue instead of competing for cores.
 The counts are what the peer announces (``queue_length``) and what its leave waits on (``in_flight``);
 they change only through the context managers here, so a request that fails or is cancelled midway never
 leaves a count behind.

@@ -429,27 +429,23 @@ class StageRunner:
 
     def _speed_round(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], delay: bool) -> Dict[str, float]:
         """Seconds of one forward and one backward pass on made-up samples (the last stage: one
-        forward_backward), by the meter's kinds of work.
-
-        Runs on the compute thread, the only thread that changes the parameters, and changes nothing another
-        thread reads (the entropy its forward records is put back), so it holds no lock: closing a step, which
-        takes the lock from beside the compute thread (:meth:`freeze`), need not wait for a speed test that on
-        a slow device takes seconds."""
+        forward_backward), by the meter's kinds of work."""
         samples, last, seconds = int(inputs.shape[0]), self.module.is_last, {}
-        entropy = self._entropy  # the last stage's hook records every forward's; keep the served one
-        if not last:
+        with self.lock:
+            entropy = self._entropy  # the last stage's hook records every forward's; keep the served one
+            if not last:
+                start = time.perf_counter()
+                with torch.no_grad(), self._autocast():
+                    self.module(self._to_device(inputs), None)
+                synchronize(self.device)  # served forwards are timed up to their copy back to the CPU
+                seconds["forward"] = time.perf_counter() - start
             start = time.perf_counter()
-            with torch.no_grad(), self._autocast():
-                self.module(self._to_device(inputs), None)
-            synchronize(self.device)  # served forwards are timed up to their copy back to the CPU
-            seconds["forward"] = time.perf_counter() - start
-        start = time.perf_counter()
-        leaf, outputs, _ = self._graph(inputs, targets, count=False)
-        with torch.enable_grad():
-            wrt = self.params if leaf is None else [leaf, *self.params]
-            torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
-        synchronize(self.device)
-        self._entropy = entropy
+            leaf, outputs, _ = self._graph(inputs, targets, count=False)
+            with torch.enable_grad():
+                wrt = self.params if leaf is None else [leaf, *self.params]
+                torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
+            synchronize(self.device)
+            self._entropy = entropy
         if delay and self.delay_per_sample_s > 0:
             time.sleep(self.delay_per_sample_s * samples)
         seconds["forward_backward" if last else "backward"] = time.perf_counter() - start
@@ -588,10 +584,7 @@ class StageRunner:
         return self.accum_step
 
     def freeze(self) -> FrozenStep:
-        """Take the accumulator out for averaging; new gradients go to the next step.
-
-        Safe from any thread: it takes the lock, which a backward holds until its gradients are accumulated,
-        so a micro-batch goes wholly into the frozen step or wholly into the next (its reply says which)."""
+        """Take the accumulator out for averaging; new gradients go to the next step."""
         with self.lock:
             if self.frozen is not None:
                 return self.frozen

@@ -340,9 +340,7 @@ class StepCoordinator:
     async def _global_step(self, view: StageView) -> None:
         peer = self.peer
         claims = {c.peer_id: c.samples_pending for c in view.others if c.accum_step == view.accum_step}
-        # beside the compute thread, not behind it: the stage's round must not wait for the requests queued there
-        # (or, on a replica that stands by, for its speed test), only for a backward accumulating at this moment
-        frozen = await asyncio.to_thread(served(peer.runner, "runner").freeze)
+        frozen = await peer.compute.run(served(peer.runner, "runner").freeze)
         if frozen.step != self._failed_step:
             # tell the stage-mates at once that this step is closed: they close it too and join the all-reduce
             self._asked_at = time.monotonic()
