@@ -266,7 +266,17 @@ def _window(hosts: Hosts, layout: Layout, urls: List[str], peer_hosts: List[int]
         "_control_per_peer": [round(c, 1) for c in control],
         "control_by_stage_and_remote": by_remote,
         "rpc_payload_bytes_per_s_per_peer_by_method": rpc,
+        # each peer's DHT routing table at its last announce, by stage: a peer's record lands on the key's nearest
+        # nodes among those it knows
+        "dht_nodes_known_by_stage": _nodes_known_by_stage(layout, scraped_after),
     }
+
+
+def _nodes_known_by_stage(layout: Layout, scraped: List[Tuple[Dict[str, float], int]]) -> Dict[str, List[int]]:
+    out: Dict[str, List[int]] = {}
+    for index, (samples, _) in enumerate(scraped):
+        out.setdefault(f"stage{index % layout.stages}", []).append(int(samples.get("swarm_dht_nodes_known", -1)))
+    return out
 
 
 def _rpc_bytes_by_method(before: List[Tuple[Dict[str, float], int]], after: List[Tuple[Dict[str, float], int]],

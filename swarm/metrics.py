@@ -151,6 +151,7 @@ class PeerSnapshot:
     forward_cache: Dict[str, int] = field(default_factory=dict)  # ForwardCache.stats()
     banned_replicas: int = 0  # stage-mates banned from averaging now
     allreduce_bytes: int = 0  # encoded messages sent and received in robust averaging rounds, as of the last round
+    dht_nodes_known: int = -1  # nodes in its DHT node's routing table at its last announce (-1: none yet)
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,11 @@ def peer_families(s: PeerSnapshot) -> List[Metric]:
             "swarm_peer_allreduce_bytes",
             "Bytes of encoded messages sent and received in robust averaging rounds, as of the last round",
             s.allreduce_bytes,
+        ),
+        _gauge(
+            "swarm_dht_nodes_known",
+            "Nodes in this peer's DHT routing table at its last announce (-1 before): where its stores and lookups start",
+            s.dht_nodes_known,
         ),
     ]
     for key in ("hits", "misses", "evicted", "mismatched"):

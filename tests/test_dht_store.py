@@ -116,3 +116,13 @@ async def test_the_walk_of_a_store_brings_back_no_copy_of_the_key_where_hivemind
     assert theirs >= 1, "hivemind's store walked by the key's holders without their copies: nothing to compare"
     found = await fetch_records(nodes[0], key, PeerRecord, timeout=10.0, strict=True)
     assert len(found) == 5 and found[writer.identity.peer_id].step == 2
+
+
+async def test_a_directory_store_reports_the_nodes_its_dht_node_knows(nodes):
+    from swarm.dht.directory import Directory
+
+    writer = nodes[4]
+    directory = Directory(writer, RUN_ID, num_stages=1, home=writer.identity.peer_id)
+    assert directory.nodes_known == -1
+    assert await directory.store(_record(writer, step=3), expiration_s=60)
+    assert NODES // 2 <= directory.nodes_known <= NODES - 1  # a swarm this small: most other nodes, or all

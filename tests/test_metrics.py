@@ -55,7 +55,7 @@ def peer_state(**changes) -> PeerSnapshot:
     values = dict(run_id="r", peer_id="P", state="online", stage=1, step=3, samples_processed=120, samples_applied=96,
                   samples_pending=24, queue_length=2, in_flight=1, throughput=55.5, forwards=10, recomputed=4,
                   forward_cache={"hits": 6, "misses": 4, "evicted": 1, "mismatched": 0, "bytes": 1024},
-                  banned_replicas=1, allreduce_bytes=4096)
+                  banned_replicas=1, allreduce_bytes=4096, dht_nodes_known=7)
     return PeerSnapshot(**{**values, **changes})
 
 
@@ -86,7 +86,7 @@ def test_peer_families_say_what_the_snapshot_says():
     assert got["swarm_peer_queue_length"] == 2 and got["swarm_peer_throughput_samples_per_second"] == 55.5
     assert got['swarm_peer_state{state="online"}'] == 1 and got['swarm_peer_state{state="joining"}'] == 0
     assert got["swarm_peer_forward_cache_hits_total"] == 6 and got["swarm_peer_banned_replicas"] == 1
-    assert got["swarm_peer_allreduce_bytes_total"] == 4096
+    assert got["swarm_peer_allreduce_bytes_total"] == 4096 and got["swarm_dht_nodes_known"] == 7
     joining = exposition(peer_families(peer_state(state="joining", stage=None, forward_cache={})))
     assert joining["swarm_peer_stage"] == -1 and joining['swarm_peer_state{state="joining"}'] == 1
     assert not any(name.startswith("swarm_peer_forward_cache") for name in joining)

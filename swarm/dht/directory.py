@@ -11,6 +11,7 @@ moves at most a few shards. A small stage is one key at level 0, read whole on e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from hivemind import DHT
 from hivemind.utils import get_dht_time, get_logger
 
-from swarm.dht.node import get_many_in_dht, identity_of
+from swarm.dht.node import get_many_in_dht, identity_of, known_nodes
 from swarm.dht.store import parse_value, store_record, warn_once
 from swarm.metrics import count_dht
 from swarm.policy.directory import (
@@ -115,6 +116,7 @@ class Directory:
         self.rotate, self.probe_period_s, self.fresh_s = rotate, probe_period_s, fresh_s
         self.settled_at = time.monotonic() + settle_s
         self.stages = [_Stage() for _ in range(num_stages)]
+        self.nodes_known = -1  # the DHT node's routing table after the last store (-1: none yet)
 
     # ---- reading ----
 
@@ -296,6 +298,8 @@ class Directory:
         levels = write_levels(size)
         keys = [shard_key(self.run_id, record.stage, level, shard_of(record.peer_id, level)) for level in levels]
         stored = await asyncio.gather(*(store_record(self.dht, key, record, expiration_s, timeout) for key in keys))
+        with contextlib.suppress(Exception):  # a figure for metrics: a DHT shutting down keeps the last one
+            self.nodes_known = await self.dht.run_coroutine(known_nodes, return_future=True)
         return all(stored)
 
 

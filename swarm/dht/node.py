@@ -38,6 +38,7 @@ __all__ = [
     "blacklisted_peers",
     "store_in_dht",
     "STORE_TRAVERSAL",
+    "known_nodes",
 ]
 
 logger = get_logger(__name__)
@@ -233,6 +234,14 @@ async def _store_beside(node: DHTNode, key: str, subkey: Any, value: Any, expira
     for answer in await asyncio.gather(*calls):
         stored.append(bool(answer) and all(answer))  # None: no answer; [False]: refused or older than its copy
     return any(stored)
+
+
+async def known_nodes(_dht: DHT, node: DHTNode) -> int:
+    """The nodes in this DHT node's routing table: where its lookups and stores start. hivemind drops a node from
+    it when a call to it goes unanswered for its ``wait_timeout`` (3 s), and learns nodes only from its own
+    lookups and from those that call it, so a node on a loaded machine may know few of the swarm's nodes; its
+    stores then land on the nearest of those. Runs inside the DHT process through ``dht.run_coroutine``."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:

@@ -285,6 +285,7 @@ class StagePeer:
             forward_cache=runner.forward_cache.stats() if runner else {},
             banned_replicas=len(steps.banned_now()) if steps is not None else 0,
             allreduce_bytes=steps.allreduce_bytes if steps is not None else 0,
+            dht_nodes_known=self.directory.nodes_known if self.directory is not None else -1,
         )
 
     def shared_state(self) -> Tuple[Dict[str, Any], List[torch.Tensor]]:
