@@ -227,7 +227,8 @@ class _Directory:
 
 
 @pytest.mark.parametrize("kwargs, expected", [({}, [1, 3]), ({"every_stage": True}, [0, 1, 2, 3]),
-                                              ({"fresh": True}, [0, 1, 2, 3])])
+                                              ({"fresh": True}, [1, 3]),
+                                              ({"fresh": True, "every_stage": True}, [0, 1, 2, 3])])
 async def test_a_peer_reads_its_own_stage_and_the_clock_unless_it_needs_every_stage(kwargs, expected):
     from swarm.config.settings import PeerConfig, RunConfig
     from swarm.server.peer import StagePeer
@@ -236,4 +237,12 @@ async def test_a_peer_reads_its_own_stage_and_the_clock_unless_it_needs_every_st
     peer.directory, peer.stage = _Directory(4), 1
     await peer.fetch_records(**kwargs)
     assert peer.directory.reads == [expected]
-    assert peer.directory.whole == bool(kwargs.get("fresh"))  # choosing a stage asks every node near each key
+    assert peer.directory.whole == bool(kwargs.get("fresh"))  # joining asks every node near each key
+
+
+@pytest.mark.parametrize("stage, expected", [("2", [2, 3]), ("3", [3]), ("auto", None)])
+def test_a_joiner_reads_every_stage_only_to_choose_one(stage, expected):
+    from swarm.config.settings import PeerConfig, RunConfig
+    from swarm.server.peer import StagePeer
+
+    assert StagePeer(PeerConfig(run=RunConfig(num_stages=4), stage=stage))._stages_to_join() == expected

@@ -96,7 +96,7 @@ class Joining:
         peer.claim_stage(stage)
         await peer.announcer.announce()
         await asyncio.sleep(random.uniform(0.5, 1.5))
-        snapshot = to_peer_infos(await peer.fetch_records(fresh=True), peer.run.num_stages)
+        snapshot = to_peer_infos(await peer.fetch_records(fresh=True, every_stage=True), peer.run.num_stages)
         settled = settle_join_choice(
             snapshot, peer.peer_id, stage, peer.run.num_stages, fitting=peer_fitting_stages(peer.config)
         )
@@ -127,6 +127,8 @@ class Joining:
         peer = self.peer
         if await peer.checkpoints.restore():
             return
+        # the step the run is at, from every stage: a stage with no replica left says nothing of it
+        records = {**records, **await peer.fetch_records(fresh=True, every_stage=True)}
         run_step = max((r.step for r in records.values()), default=0)
         if run_step > 0 and not peer.config.reinitialize:
             raise RuntimeError(

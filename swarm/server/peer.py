@@ -145,7 +145,7 @@ class StagePeer:
             fresh_s=fresh_for(self.config.expiration_s, self.config.announce_period_s),
             settle_s=settle_for(self.config.announce_period_s),
         )
-        await self.directory.read()
+        await self.directory.read(self._stages_to_join())
         await check_run_agreement(p2p, self.directory.records(), self.run)
         await self._serve_stage(await self.joining.choose_stage())
         self.servicer = RPCServicer(
@@ -165,6 +165,15 @@ class StagePeer:
             self._tasks.append(asyncio.create_task(self.checkpoints.run()))
         if self.config.rebalance:
             self._tasks.append(asyncio.create_task(rebalance_loop(self)))
+
+    def _stages_to_join(self) -> Optional[List[int]]:
+        """The stages a joiner reads before it serves: every stage when it chooses one (``--stage auto``), else
+        its own and the clock stage, the only ones it reads while it serves. Reading every stage costs a first probe
+        of each (tens of keys a stage), which at a run's start, when every peer joins at once, is most of what the
+        bootstrap serves."""
+        if self.config.stage == "auto":
+            return None
+        return sorted({int(self.config.stage), self.run.num_stages - 1})
 
     async def _serve_direct(self) -> None:
         """Listen for direct calls on the hosts p2pd listens on; a port that cannot be had is logged, and
@@ -348,7 +357,8 @@ class StagePeer:
         calls (:mod:`.progress`) replace the DHT's copies, and with ``ask`` they are asked for them now (with ``tell``
         even those heard from within the poll period: this peer's progress changed; with ``ask_clock`` the clock
         stage's replicas, whatever the clock-watch period). With
-        ``fresh`` every stage is read from the DHT now, from every node near its keys (choosing a stage to join). Connects
+        ``fresh`` the stages it reads are read from the DHT now, from every node near their keys (joining: with
+        ``every_stage`` too, every stage, to choose one). Connects
         p2pd to the stage-mates it is not connected to yet, at the addresses they announce: averaging and
         state downloads reach them by peer id alone."""
         directory = self.directory
@@ -356,7 +366,7 @@ class StagePeer:
             raise RuntimeError("the peer has not started: it has no directory to read")
         period, last = self.config.announce_period_s, self.run.num_stages - 1
         due = directory.stages_due(None if fresh else period)
-        if not (fresh or every_stage or self.stage is None):
+        if not (every_stage or self.stage is None):
             due = [stage for stage in due if stage in (self.stage, last)]
         if due:
             await directory.read(due, whole=fresh)
