@@ -145,7 +145,10 @@ class StagePeer:
             fresh_s=fresh_for(self.config.expiration_s, self.config.announce_period_s),
             settle_s=settle_for(self.config.announce_period_s),
         )
-        await self.directory.read(self._stages_to_join())
+        stages = self._stages_to_join()
+        await self.directory.read(stages)
+        if stages is not None and not set(self.directory.records()) - {self.peer_id}:
+            await self.directory.read()  # nobody there yet: the run's settings are checked against the other stages
         await check_run_agreement(p2p, self.directory.records(), self.run)
         await self._serve_stage(await self.joining.choose_stage())
         self.servicer = RPCServicer(
@@ -168,9 +171,10 @@ class StagePeer:
 
     def _stages_to_join(self) -> Optional[List[int]]:
         """The stages a joiner reads before it serves: every stage when it chooses one (``--stage auto``), else
-        its own and the clock stage, the only ones it reads while it serves. Reading every stage costs a first probe
-        of each (tens of keys a stage), which at a run's start, when every peer joins at once, is most of what the
-        bootstrap serves."""
+        its own and the clock stage, the only ones it reads while it serves (and every stage after all when nobody
+        serves those yet, so that its run settings are checked against someone's). Reading every stage costs a
+        first probe of each (tens of keys a stage), which at a run's start, when every peer joins at once, is most
+        of what the bootstrap serves."""
         if self.config.stage == "auto":
             return None
         return sorted({int(self.config.stage), self.run.num_stages - 1})
