@@ -237,10 +237,11 @@ async def _store_beside(node: DHTNode, key: str, subkey: Any, value: Any, expira
 
 
 async def known_nodes(_dht: DHT, node: DHTNode) -> int:
-    """The nodes in this DHT node's routing table: where its lookups and stores start. hivemind drops a node from
-    it when a call to it goes unanswered for its ``wait_timeout`` (3 s), and learns nodes only from its own
-    lookups and from those that call it, so a node on a loaded machine may know few of the swarm's nodes; its
-    stores then land on the nearest of those. Runs inside the DHT process through ``dht.run_coroutine``."""
+    """The nodes in this DHT node's routing table: where its lookups and stores start. It keeps only nodes it
+    could call, and p2pd calls a peer id at the address libp2p's routing finds for it: on addresses that routing
+    leaves out (198.18.0.0/15) only the nodes p2pd is already connected to. A node that knows few of the swarm's
+    nodes stores its records on the nearest of those, where readers that know others may not look. Runs inside
+    the DHT process through ``dht.run_coroutine``."""
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
