@@ -177,7 +177,11 @@ class StagePeer:
         of what the bootstrap serves."""
         if self.config.stage == "auto":
             return None
-        return sorted({int(self.config.stage), self.run.num_stages - 1})
+        return self._stages_read_serving(int(self.config.stage))
+
+    def _stages_read_serving(self, stage: int) -> List[int]:
+        """The stages a peer serving ``stage`` reads: its own, and the clock stage, whose replicas tell the step."""
+        return sorted({stage, self.run.num_stages - 1})
 
     async def _serve_direct(self) -> None:
         """Listen for direct calls on the hosts p2pd listens on; a port that cannot be had is logged, and
@@ -368,10 +372,10 @@ class StagePeer:
         directory = self.directory
         if directory is None:
             raise RuntimeError("the peer has not started: it has no directory to read")
-        period, last = self.config.announce_period_s, self.run.num_stages - 1
+        period = self.config.announce_period_s
         due = directory.stages_due(None if fresh else period)
         if not (every_stage or self.stage is None):
-            due = [stage for stage in due if stage in (self.stage, last)]
+            due = [stage for stage in due if stage in self._stages_read_serving(self.stage)]
         if due:
             await directory.read(due, whole=fresh)
         records = self._same_run(directory.records())
