@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.matchmaking import Matchmaking
@@ -102,13 +102,14 @@ def register_decoder(name: str, codec: CompressionBase) -> None:
 
 def wrap_dht_protocol(
     protocol: DHTProtocol,
-    wrap_validation: Callable[[Callable], Callable],
     wrap_call_find: Callable[[Callable], Callable],
+    wrap_validation: Optional[Callable[[Callable], Callable]] = None,
 ) -> None:
-    """Replace a node's record checks (``_validate_record``, ``_validate_dictionary``) and its ``call_find``
-    with wrappers of the originals."""
-    protocol._validate_record = wrap_validation(protocol._validate_record)
-    protocol._validate_dictionary = wrap_validation(protocol._validate_dictionary)
+    """Replace a node's ``call_find`` and (with ``wrap_validation``) its record checks (``_validate_record``,
+    ``_validate_dictionary``) with wrappers of the originals; a second call wraps the first one's wrappers."""
+    if wrap_validation is not None:
+        protocol._validate_record = wrap_validation(protocol._validate_record)
+        protocol._validate_dictionary = wrap_validation(protocol._validate_dictionary)
     protocol.call_find = wrap_call_find(protocol.call_find)
 
 

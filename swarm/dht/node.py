@@ -28,6 +28,7 @@ from swarm.dht.identity import Identity, key_file_for_start, load_or_create_iden
 from swarm.hivemind_private import wrap_dht_protocol
 from swarm.net.listening import listen_and_announce
 from swarm.dht.records import run_schema_validator
+from swarm.dht.routes import reach_nodes_by_address, routes_of
 from swarm.dht.validator_cache import RememberingValidator
 
 __all__ = [
@@ -112,6 +113,7 @@ def start_dht(
     if str(dht.peer_id) != identity.peer_id:
         stop_dht(dht)
         raise RuntimeError(f"p2pd runs as {dht.peer_id}, but the identity at {identity.path} is {identity.peer_id}")
+    dht.run_coroutine(reach_nodes_by_address, return_future=True).result(timeout=network.startup_timeout_s)
     if run_id is not None:
         dht.run_coroutine(_blacklist_nodes_that_answer_junk)
     return dht
@@ -221,7 +223,10 @@ async def _store_beside(node: DHTNode, key: str, subkey: Any, value: Any, expira
         record = dataclasses.replace(record, value=validator.sign_value(record))
     stored: List[bool] = []
     calls = []
+    routes = routes_of(node)
     for node_id, peer_id in found.get(beside, {}).items():
+        if routes is not None and node_id != node.node_id:
+            await routes.reach(peer_id)
         if node_id == node.node_id:
             valid = validator is None or validator.validate(record)
             stored.append(bool(valid) and protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey))
@@ -238,10 +243,9 @@ async def _store_beside(node: DHTNode, key: str, subkey: Any, value: Any, expira
 
 async def known_nodes(_dht: DHT, node: DHTNode) -> int:
     """The nodes in this DHT node's routing table: where its lookups and stores start. It keeps only nodes it
-    could call, and p2pd calls a peer id at the address libp2p's routing finds for it: on addresses that routing
-    leaves out (198.18.0.0/15) only the nodes p2pd is already connected to. A node that knows few of the swarm's
-    nodes stores its records on the nearest of those, where readers that know others may not look. Runs inside
-    the DHT process through ``dht.run_coroutine``."""
+    could call (:mod:`swarm.dht.routes` says how it reaches them); a node that knows few of the swarm's nodes
+    stores its records on the nearest of those, where readers that know others may not look. Runs inside the
+    DHT process through ``dht.run_coroutine``."""
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
@@ -283,7 +287,7 @@ async def _blacklist_nodes_that_answer_junk(_dht: DHT, node: DHTNode) -> None:
 
         return call_find_refusing_junk
 
-    wrap_dht_protocol(node.protocol, wrap_validation=noting, wrap_call_find=refusing_junk)
+    wrap_dht_protocol(node.protocol, wrap_call_find=refusing_junk, wrap_validation=noting)
 
 
 async def blacklisted_peers(_dht: DHT, node: DHTNode) -> List[str]:
