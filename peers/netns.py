@@ -14,6 +14,11 @@ process is a host of that network too.
 unroutable, so libp2p's own routing keeps no addresses of it, exactly as for hosts on the internet
 that it cannot classify. Every name carries a random tag, so concurrent runs do not collide, and
 :meth:`Hosts.close` removes everything :meth:`Hosts.create` made (and nothing else).
+
+The kernel keeps one ARP table for all namespaces, and by default it refuses new entries past 1,024
+(``gc_thresh3``): 33 hosts that all talk to each other need more, and a host that cannot add its neighbour
+gets "No route to host". So :meth:`Hosts.create` raises the table's limits to what its hosts can need, and
+:meth:`Hosts.close` puts back the values it found, unless someone has changed them since.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import shutil
 import subprocess
 import uuid
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 __all__ = ["Hosts", "NamespacesUnavailable", "namespaces_unavailable", "TBF_BURST_BYTES"]
 
 TBF_BURST_BYTES = 64 * 1024  # tbf bucket: a few packets' worth above the rate, as a home router allows
+NEIGHBOUR_LIMITS = "/proc/sys/net/ipv4/neigh/default/gc_thresh{}"  # 2: soft limit of ARP entries, 3: hard limit
 
 
 class NamespacesUnavailable(RuntimeError):
@@ -65,6 +71,7 @@ class Hosts:
     namespaces: List[str] = field(default_factory=list)
     links: List[str] = field(default_factory=list)  # the bridge-side ends of the veth pairs (in the switch)
     _switch_made: bool = False
+    _raised_limits: Dict[str, Tuple[int, int]] = field(default_factory=dict)  # path -> (value found, value set)
 
     @property
     def bridge(self) -> str:
@@ -176,6 +183,7 @@ class Hosts:
             _ip("link", "set", self.root_link, "up")
             for host in range(self.count):
                 self._add_host(host)
+            self._make_room_for_neighbours()
         except Exception:
             self.close()
             raise
@@ -198,9 +206,37 @@ class Hosts:
         _ip("-n", namespace, "link", "set", inside, "up")
         _ip("-n", namespace, "link", "set", "lo", "up")
 
+    def _make_room_for_neighbours(self) -> None:
+        """Raise the ARP table's soft and hard limits to what every host (and the root) knowing every other
+        needs, with room for another such set; lower limits are never set."""
+        needed = (self.count + 1) ** 2
+        for level, wanted in ((2, needed), (3, 2 * needed)):
+            path = NEIGHBOUR_LIMITS.format(level)
+            try:
+                with open(path) as f:
+                    found = int(f.read())
+                if found < wanted:
+                    with open(path, "w") as f:
+                        f.write(str(wanted))
+                    self._raised_limits[path] = (found, wanted)
+            except (OSError, ValueError) as e:  # hosts that talk to few others still work
+                print(f"could not raise {path} to {wanted}: {e}")
+
+    def _restore_neighbour_limits(self) -> None:
+        for path, (found, raised) in self._raised_limits.items():
+            try:
+                with open(path) as f:
+                    if int(f.read()) != raised:  # changed by someone else since: theirs now
+                        continue
+                with open(path, "w") as f:
+                    f.write(str(found))
+            except (OSError, ValueError):
+                pass
+        self._raised_limits = {}
+
     def close(self) -> None:
         """Remove the namespaces (with them every veth pair and the bridge) and the root's veth
-        (each step ignores what is already gone)."""
+        (each step ignores what is already gone), and put back the ARP table's limits."""
         for namespace in self.namespaces:
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=10)
         self.namespaces, self.links = [], []
@@ -208,3 +244,4 @@ class Hosts:
         if self._switch_made:
             subprocess.run(["ip", "netns", "del", self.switch], capture_output=True, timeout=10)
             self._switch_made = False
+        self._restore_neighbour_limits()
