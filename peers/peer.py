@@ -37,9 +37,12 @@ async def serve(config: PeerConfig, prepare: Optional[Callable[[Any], None]] = N
     """Run a stage peer until told to stop; ``prepare`` is given the peer before it starts."""
     from swarm.server.host import served
     from swarm.server.peer import StagePeer
+    from swarm.server.slow_device import install_slow_device
 
     stop = stop_event()
     peer = StagePeer(config)
+    if config.delay_per_sample_s > 0:  # an emulated slower device, for tests and benchmarks on one machine
+        install_slow_device(peer, config.delay_per_sample_s)
     if prepare is not None:
         prepare(peer)
     reporter = None

@@ -16,8 +16,14 @@ from swarm.model.stages import build_stage
 from swarm.policy.poisoning import PoisoningConfig
 from swarm.server.batching import ForwardBatcher
 from swarm.server.runner import StageRunner
+from tests.utils.waiting import await_until
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_heads=2, seq_len=16)
+
+
+async def _all_queued(batcher, count: int) -> None:
+    """Every request is in the batcher's queue while the gate holds the compute thread: they can merge."""
+    await await_until(lambda: len(batcher) == count, 10, f"{count} requests to queue in the batcher")
 
 
 async def test_concurrent_forwards_are_merged_and_exact():
@@ -28,7 +34,7 @@ async def test_concurrent_forwards_are_merged_and_exact():
     batcher = ForwardBatcher(lambda x: stage(x).detach(), executor, max_samples=64)
     requests = [torch.randint(0, 256, (b, 16)) for b in (1, 4, 3, 8)] + [torch.randint(0, 256, (2, 8))]
     tasks = [asyncio.ensure_future(batcher.forward(x)) for x in requests]
-    await asyncio.sleep(0.05)
+    await _all_queued(batcher, len(tasks))
     gate.set()
     outputs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
     with torch.no_grad():
@@ -53,7 +59,7 @@ async def test_max_samples_splits_batches_and_errors_reach_their_requests():
     executor.submit(gate.wait)
     batcher = ForwardBatcher(forward, executor, max_samples=10)
     tasks = [asyncio.ensure_future(batcher.forward(torch.ones(n, 3))) for n in (6, 4, 7)]
-    await asyncio.sleep(0.05)
+    await _all_queued(batcher, len(tasks))
     gate.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert calls == [10, 7]
@@ -87,7 +93,7 @@ async def test_last_stage_forwards_are_merged_and_each_gets_its_own_loss():
     batcher = ForwardBatcher(runner.forward_per_sample, executor, max_samples=64)
     forwards_before = runner.num_forwards
     tasks = [asyncio.ensure_future(batcher.forward(x, t)) for x, t in requests]
-    await asyncio.sleep(0.05)
+    await _all_queued(batcher, len(tasks))
     gate.set()
     per_token = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
     for (x, _), losses, expected in zip(requests, per_token, alone):
@@ -104,7 +110,7 @@ async def test_a_malformed_request_fails_alone_in_a_merged_forward():
     executor, gate = _gated_executor()
     batcher = ForwardBatcher(runner.forward_per_sample, executor, max_samples=64)
     tasks = [asyncio.ensure_future(batcher.forward(x, t)) for x, t in requests]
-    await asyncio.sleep(0.05)
+    await _all_queued(batcher, len(tasks))
     gate.set()
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
     assert isinstance(results[1], ValueError) and "token ids" in str(results[1])

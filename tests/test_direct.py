@@ -139,7 +139,9 @@ async def test_a_connection_cancelled_at_shutdown_ends_without_an_unhandled_erro
             assert serving, "the connection's serving task"
             for task in serving:
                 task.cancel()  # what the loop does to its tasks when the peer shuts down
-            await asyncio.sleep(0.1)
+            # the tasks' done callbacks (asyncio's stream callback among them) run before asyncio.wait returns
+            _, pending = await asyncio.wait(serving, timeout=10)
+            assert not pending, "the cancelled serving tasks to end"
             writer.close()
         assert reported == [], reported
     finally:

@@ -17,7 +17,9 @@ from swarm.policy.slow_replicas import (
 )
 from swarm.policy.snapshot import PeerInfo
 import swarm.server.runner as runner_module
+import swarm.server.slow_device as slow_device_module
 from swarm.server.runner import StageRunner, ThroughputMeter
+from swarm.server.slow_device import SlowDeviceRunner, install_slow_device
 from swarm.simulate.slow_peer import SlowPeerScenario, run_slow_peer_scenario
 
 
@@ -260,10 +262,10 @@ def test_a_replica_times_itself_without_changing_its_state(stage, monkeypatch):
     emulated device delay included, and nothing it serves or averages moves."""
     run = RunConfig(num_stages=3, target_batch_size=64, model=ModelConfig(num_layers=3, hidden_size=32, num_heads=2,
                                                                            seq_len=16))
-    runner = StageRunner(run, stage, delay_per_sample_s=0.02, forward_cache_bytes=2**20)
+    runner = SlowDeviceRunner(run, stage, delay_per_sample_s=0.02, forward_cache_bytes=2**20)
     slept = []
-    real_sleep = runner_module.time.sleep
-    monkeypatch.setattr(runner_module.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    real_sleep = slow_device_module.time.sleep
+    monkeypatch.setattr(slow_device_module.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
     monkeypatch.setattr(runner_module, "SPEED_TEST_ROUNDS", 2)
     monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
     before = _runner_state(runner)
@@ -303,15 +305,37 @@ def test_the_fastest_timed_round_sets_the_speed_and_a_slow_device_times_one_roun
     runner.meter.update("forward_backward", 4, 1.0)
     runner.meter.update("forward_backward", 4, 40.0)  # a served figure: 0.1 samples/s
     rounds = iter([{"forward_backward": 0.9}, {"forward_backward": 0.2}, {"forward_backward": 0.5}])
-    monkeypatch.setattr(runner, "_speed_round", lambda inputs, targets, delay: next(rounds) if delay else {})
+    monkeypatch.setattr(runner, "_speed_round", lambda inputs, targets, timed: next(rounds) if timed else {})
     monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
     monkeypatch.setattr(runner_module, "SPEED_TEST_ROUNDS", 3)
     assert runner.measure_speed(4) == pytest.approx(20.0)
     calls = []
-    monkeypatch.setattr(runner, "_speed_round", lambda inputs, targets, delay: calls.append(delay) or {"forward_backward": 90.0})
+    monkeypatch.setattr(runner, "_speed_round", lambda inputs, targets, timed: calls.append(timed) or {"forward_backward": 90.0})
     monkeypatch.setattr(runner_module, "SPEED_TEST_BUDGET_S", 60.0)
     assert runner.measure_speed(4) == pytest.approx(4 / 90.0)
     assert calls == [False, True], "one warm-up round, then one timed round past the budget"
+
+
+def test_a_slow_device_is_installed_from_outside_and_sleeps_per_sample_of_backward_work(monkeypatch):
+    """``--delay_per_sample_s`` makes the peer build slow runners; the runner itself has no emulation in it."""
+    from types import SimpleNamespace
+
+    run = RunConfig(num_stages=2, target_batch_size=64, model=ModelConfig(num_layers=2, hidden_size=32, num_heads=2,
+                                                                           seq_len=16))
+    peer = SimpleNamespace(runner_class=StageRunner)
+    install_slow_device(peer, 0.01)
+    runner = peer.runner_class(run, 1, "cpu", forward_cache_bytes=2**20)
+    assert isinstance(runner, SlowDeviceRunner) and runner.delay_per_sample_s == 0.01
+    slept = []
+    monkeypatch.setattr(slow_device_module.time, "sleep", slept.append)
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(4, 16, 32, generator=generator), torch.randint(0, 256, (4, 16), generator=generator)
+    runner.backward("t:m0", inputs, None, targets)
+    assert slept == [pytest.approx(0.04)], "0.01 s for each of the 4 samples"
+    StageRunner(run, 1).backward("t:m0", inputs, None, targets)
+    assert slept == [pytest.approx(0.04)], "a plain runner does not sleep"
+    with pytest.raises(ValueError, match="delay_per_sample_s"):
+        install_slow_device(peer, -1.0)
 
 
 def test_a_failed_speed_test_leaves_the_replica_serving_with_no_speed_announced():

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from google.protobuf.message import DecodeError
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+from hivemind.utils.crypto import RSAPrivateKey
 
 __all__ = ["Identity", "load_or_create_identity", "key_file_for_start", "owner_subkey", "peer_id_of", "MIN_RSA_BITS"]
 
@@ -81,7 +81,9 @@ def peer_id_of(public_key: bytes) -> str:
     if not isinstance(public_key, bytes):
         raise ValueError(f"a public key must be bytes, got {type(public_key).__name__}")
     try:
-        key = RSAPublicKey.from_bytes(public_key)._public_key
+        key = serialization.load_ssh_public_key(public_key)  # what hivemind's RSAPublicKey.from_bytes reads
+        if not isinstance(key, rsa.RSAPublicKey):
+            raise ValueError(f"expected an RSA public key, got {type(key).__name__}")
     except Exception as e:  # cryptography raises ValueError, UnsupportedAlgorithm, IndexError... on garbage
         raise ValueError(f"not an OpenSSH RSA public key: {type(e).__name__}: {e}") from None
     if key.key_size < MIN_RSA_BITS:
@@ -105,7 +107,7 @@ def _identity_from_file(path: str, fresh: bool) -> Identity:
     except ValueError as e:
         raise ValueError(f"{path} is not a usable libp2p identity: {e}") from None
     return Identity(
-        path=path, private_key=private_key, peer_id=_peer_id_of_rsa(private_key._private_key.public_key()), fresh=fresh
+        path=path, private_key=private_key, peer_id=peer_id_of(private_key.get_public_key().to_bytes()), fresh=fresh
     )
 
 

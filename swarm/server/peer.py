@@ -63,6 +63,8 @@ class StagePeer:
 
     # what averages the stage: a factory of StageAverager (an emulated faulty replica changes what it contributes)
     averager_class: Callable[..., StageAverager] = StageAverager
+    # what computes the stage: a factory of StageRunner (an emulated slower device sleeps per sample of backward)
+    runner_class: Callable[..., StageRunner] = StageRunner
 
     def __init__(self, config: PeerConfig, dht: Optional[DHT] = None):
         self.config, self.run = config, config.run
@@ -215,11 +217,10 @@ class StagePeer:
         check_peer_fits(self.config, stage)
         self.claim_stage(stage)
         initial = await self.compute.run(self._initial_tensors, stage) if self.config.init_from else None
-        self.runner = StageRunner(
+        self.runner = self.runner_class(
             self.run,
             stage,
             self.config.device,
-            self.config.delay_per_sample_s,
             forward_cache_bytes=int(self.config.forward_cache_mb * 2**20),
             dtype=self.config.dtype,
             checkpoint_activations=self.config.checkpoint_activations,

@@ -136,7 +136,6 @@ class StageRunner:
         run: RunConfig,
         stage_index: int,
         device: str = "cpu",
-        delay_per_sample_s: float = 0.0,
         poisoning: Optional[PoisoningConfig] = None,
         forward_cache_bytes: int = 0,
         dtype: str = "fp32",
@@ -148,7 +147,6 @@ class StageRunner:
         # the module's weights and gradients stay float32; autocast computes in ``dtype`` (fp16 loss-scaled)
         self.dtype = dtype
         self.loss_scale: Optional[LossScale] = LossScale() if dtype == "fp16" else None
-        self.delay_per_sample_s = delay_per_sample_s
         self.samples_processed = 0  # samples this replica ran backward for: its share of the work
         # ``initial``: the stage's tensors (keyed as its state_dict) to start from instead of its seeded initialisation
         self.module: PipelineStage = self._build_module(initial).to(self.device)
@@ -369,12 +367,17 @@ class StageRunner:
                     self.loss_scale.update(overflowed=False)
             else:
                 accum_step = self.accum_step
-        if self.delay_per_sample_s > 0:  # an emulated slower device: a fixed cost per sample, whatever the load
-            time.sleep(self.delay_per_sample_s * batch)
+        self._after_backward_compute(batch)
         kind = "forward_backward" if self.module.is_last else "backward"
         self.meter.update(kind, batch, time.perf_counter() - start)
         loss = float(outputs.detach()) if self.module.is_last else None
         return grad_inputs, loss, accum_step
+
+    def _after_backward_compute(self, samples: int) -> None:
+        """Runs on the compute thread once backward work on ``samples`` samples is computed, outside the lock:
+        within the time the meter takes of a served backward or of a timed round of the speed test, after the
+        timing of a merged backward. Nothing is left to do here; a runner that emulates a slower device
+        (:class:`swarm.server.slow_device.SlowDeviceRunner`) waits in it."""
 
     def _scaled_grad(
         self, outputs: torch.Tensor, wrt: Sequence[torch.Tensor], cotangents: torch.Tensor
@@ -400,9 +403,9 @@ class StageRunner:
         raise ValueError(f"{self.where}: this request produces non-finite gradients; not accumulated")
 
     def measure_speed(self, samples: int) -> float:
-        """Time forward and backward passes of ``samples`` made-up samples, as served calls are timed (the
-        emulated device delay included), set the meter's figures to the fastest round's, and return the
-        samples/s the meter then gives.
+        """Time forward and backward passes of ``samples`` made-up samples, as served calls are timed
+        (:meth:`_after_backward_compute` included), set the meter's figures to the fastest round's, and return
+        the samples/s the meter then gives.
 
         A replica that has served nothing yet, or nothing for the meter's ``stale_s``, would otherwise
         announce 0 (unknown), and trainers would learn its speed only by sending it micro-batches: on
@@ -414,11 +417,11 @@ class StageRunner:
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
             raise ValueError(f"samples must be a positive int, got {samples!r}")
         inputs, targets = self._made_up_batch(samples)
-        self._speed_round(inputs, targets, delay=False)
+        self._speed_round(inputs, targets, timed=False)
         fastest: Dict[str, float] = {}
         spent = 0.0
         for _ in range(SPEED_TEST_ROUNDS):
-            seconds = self._speed_round(inputs, targets, delay=True)
+            seconds = self._speed_round(inputs, targets, timed=True)
             fastest = {kind: min(fastest.get(kind, math.inf), value) for kind, value in seconds.items()}
             spent += sum(seconds.values())
             if spent >= SPEED_TEST_BUDGET_S:
@@ -427,9 +430,10 @@ class StageRunner:
             self.meter.set(kind, samples, value)
         return self.meter.samples_per_s
 
-    def _speed_round(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], delay: bool) -> Dict[str, float]:
+    def _speed_round(self, inputs: torch.Tensor, targets: Optional[torch.Tensor], timed: bool) -> Dict[str, float]:
         """Seconds of one forward and one backward pass on made-up samples (the last stage: one
-        forward_backward), by the meter's kinds of work."""
+        forward_backward), by the meter's kinds of work. Only a ``timed`` round ends its backward work as a
+        served one does (:meth:`_after_backward_compute`): the warm-up round's figures are thrown away."""
         samples, last, seconds = int(inputs.shape[0]), self.module.is_last, {}
         with self.lock:
             entropy = self._entropy  # the last stage's hook records every forward's; keep the served one
@@ -446,8 +450,8 @@ class StageRunner:
                 torch.autograd.grad(outputs, wrt, None if last else torch.ones_like(outputs))
             synchronize(self.device)
             self._entropy = entropy
-        if delay and self.delay_per_sample_s > 0:
-            time.sleep(self.delay_per_sample_s * samples)
+        if timed:
+            self._after_backward_compute(samples)
         seconds["forward_backward" if last else "backward"] = time.perf_counter() - start
         return seconds
 
@@ -478,8 +482,8 @@ class StageRunner:
                 self._backward_merged(requests, merged, results)
             else:
                 merged = []
-        if merged and self.delay_per_sample_s > 0:  # an emulated slower device, as in backward
-            time.sleep(self.delay_per_sample_s * sum(int(requests[i][1].shape[0]) for i in merged))
+        if merged:
+            self._after_backward_compute(sum(int(requests[i][1].shape[0]) for i in merged))
         for i, request in enumerate(requests):
             if i not in merged:
                 try:
