@@ -358,3 +358,44 @@ def test_a_failed_probe_is_retried_within_a_share_of_the_period_and_counts_as_th
         assert reader.levels()[0] in write_levels(len(identities)) and reader.size(0) > 20, reader.size(0)
 
     asyncio.run(go())
+
+
+def test_a_read_while_a_probe_of_the_stage_is_in_flight_does_not_probe_it_again(identities, monkeypatch):
+    """Two readers of one directory (a peer's coordinator and its announcer) may read at once: while one read probes a
+    stage, the other reads the stage's shards only, rather than a second probe of tens of keys."""
+    monkeypatch.setattr(directory_module, "get_dht_time", lambda: _Clock.now)
+    monkeypatch.setattr(dht_io, "get_dht_time", lambda: _Clock.now)
+    table, reads = {}, []
+    dht = _MemoryDHT(table, identities[0], reads)
+    reader = Directory(dht, "run", 2, home=identities[0].peer_id)
+    asked: List[List[str]] = []
+    answer = dht.run_coroutine
+
+    async def go():
+        held = asyncio.get_running_loop().create_future()
+
+        def slow(fn, return_future):
+            asked.append(list(fn.keywords["keys"]))
+            if len(asked) > 1:
+                return answer(fn, return_future)
+            future = asyncio.get_running_loop().create_future()
+            held.add_done_callback(lambda _: future.set_result(answer(fn, return_future).result()))
+            return future
+
+        dht.run_coroutine = slow
+        first = asyncio.create_task(reader.read([0]))
+        while not asked:
+            await asyncio.sleep(0)
+        assert reader.probe_is_due(0)
+        assert await reader.read([0, 1])  # stage 0: its shard only; stage 1: its own probe
+        held.set_result(None)
+        assert await first
+
+    asyncio.run(go())
+
+    def of_stage(keys: List[str], stage: int) -> List[str]:
+        return [key for key in keys if key == stage_key("run", stage) or key.startswith(f"run_stage{stage}_")]
+
+    assert len(of_stage(asked[0], 0)) > 1  # the first read probed stage 0's levels
+    assert of_stage(asked[1], 0) == [stage_key("run", 0)]  # the second read only its shard
+    assert len(of_stage(asked[1], 1)) > 1  # and probed stage 1, which no read was probing

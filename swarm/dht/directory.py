@@ -66,6 +66,7 @@ class _Stage:
     estimate: float = 0.0  # the stage's size, as the last probe estimated it
     home_count: int = -1  # other records in the reader's own shard at `level` at its last read; -1: not read yet
     records: Dict[str, Tuple[PeerRecord, float]] = field(default_factory=dict)  # id -> (record, DHT expiration time)
+    probing: bool = False  # a read that probes this stage is in flight: another read does not probe it again
 
 
 def fresh_for(expiration_s: float, announce_period_s: float) -> Optional[float]:
@@ -144,7 +145,7 @@ class Directory:
     def _plan(self, stage: int, now: float) -> Tuple[List[List[str]], Dict[str, Tuple[int, int]]]:
         """The probe chains (empty: no probe) and the keys, key -> (level, shard), of one stage's next read."""
         known = self.stages[stage]
-        if self.probe_is_due(stage, now):
+        if self.probe_is_due(stage, now) and not known.probing:
             # chains through random points: the reader's own shards would give every probe the same sample
             chains: List[List[str]] = []
             keyed: Dict[str, Tuple[int, int]] = {}
@@ -169,8 +170,25 @@ class Directory:
         whole: bool = False,
     ) -> bool:
         keys = sorted({key for _, keyed in plans.values() for key in keyed})
-        probing = any(chains for chains, _ in plans.values())  # a probe counts what every node holds
-        whole = whole or probing or now < self.settled_at
+        probed = [stage for stage, (chains, _) in plans.items() if chains]
+        whole = whole or bool(probed) or now < self.settled_at  # a probe counts what every node holds
+        for stage in probed:
+            self.stages[stage].probing = True
+        try:
+            return await self._lookup(plans, keys, timeout, strict, now, whole)
+        finally:
+            for stage in probed:
+                self.stages[stage].probing = False
+
+    async def _lookup(
+        self,
+        plans: Dict[int, Tuple[List[List[str]], Dict[str, Tuple[int, int]]]],
+        keys: List[str],
+        timeout: float,
+        strict: bool,
+        now: float,
+        whole: bool,
+    ) -> bool:
         try:
             found = await asyncio.wait_for(
                 self.dht.run_coroutine(

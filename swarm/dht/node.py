@@ -46,9 +46,12 @@ logger = get_logger(__name__)
 FRESH_LOOKUP_WORKERS = 2  # nodes asked at once by a lookup that stops at the first fresh copy (hivemind's default: 4)
 NUM_REPLICAS = 5  # nodes that keep each stored value (hivemind's default)
 # how a store finds the nodes to keep its value: hivemind's walk goes on until it has asked the key's 20 nearest nodes
-# (its bucket size); a store needs only the NUM_REPLICAS nearest, so its walk stops once it has asked that many (a read
-# that asks every node near the key still walks the wider beam, so it meets them)
+# (its bucket size); a store needs only the NUM_REPLICAS nearest, so its walk stops once it has asked that many
 STORE_TRAVERSAL: Dict[str, int] = {"beam_size": NUM_REPLICAS, "num_workers": FRESH_LOOKUP_WORKERS}
+# nodes a read that wants every copy of a key asks, nearest first: twice the nodes a store writes to, so that it meets
+# them even where the writer knew other nodes than the reader (hivemind's default walks 20, each answering with 20
+# neighbours per key: a probe of tens of keys then moved megabytes and outlasted its timeout)
+WHOLE_READ_BEAM = 2 * NUM_REPLICAS
 DHT_EXIT_WAIT_S = 10.0  # seconds a stopped DHT process may take to exit before it is killed
 # values refused while one lookup request is answered (set per request, in the DHT process)
 _REFUSED_IN_ANSWER: ContextVar[Optional[List[bytes]]] = ContextVar("refused_in_answer", default=None)
@@ -176,18 +179,16 @@ async def get_many_in_dht(
 ) -> Optional[Dict[str, Any]]:
     """Look up several keys in one traversal; None if it took longer than ``timeout``. With ``fresh_s``, the
     search for a key stops at the first answer whose value outlives ``fresh_s`` seconds from now (a node that
-    took a store of it lately), instead of walking every node near the key for the latest value of each.
+    took a store of it lately), instead of asking the ``WHOLE_READ_BEAM`` nodes nearest the key for their copies.
     Runs inside the DHT process through ``dht.run_coroutine``, so it is defined here, imported by every process
     before its DHT forks. A timeout is returned rather than raised: hivemind logs every exception a coroutine
     raises with a traceback, and a slow lookup is an expected event that the caller reports."""
     sufficient = float("inf") if fresh_s is None else get_dht_time() + fresh_s
     # a lookup that stops at the first fresh copy asks few nodes at once: more in flight would each send a whole
     # copy back after the first one already sufficed
-    workers = {} if fresh_s is None else {"num_workers": FRESH_LOOKUP_WORKERS}
+    walk = {"beam_size": WHOLE_READ_BEAM} if fresh_s is None else {"num_workers": FRESH_LOOKUP_WORKERS}
     try:
-        return await asyncio.wait_for(
-            node.get_many(list(keys), sufficient_expiration_time=sufficient, **workers), timeout
-        )
+        return await asyncio.wait_for(node.get_many(list(keys), sufficient_expiration_time=sufficient, **walk), timeout)
     except asyncio.TimeoutError:
         return None
 
