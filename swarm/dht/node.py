@@ -116,7 +116,10 @@ def start_dht(
     if str(dht.peer_id) != identity.peer_id:
         stop_dht(dht)
         raise RuntimeError(f"p2pd runs as {dht.peer_id}, but the identity at {identity.path} is {identity.peer_id}")
-    dht.run_coroutine(reach_nodes_by_address, return_future=True).result(timeout=network.startup_timeout_s)
+    try:
+        dht.run_coroutine(reach_nodes_by_address, return_future=True).result(timeout=network.startup_timeout_s)
+    except Exception as e:  # the node still reaches every node libp2p routes, and those it is connected to
+        logger.warning(f"this DHT node will not ask where the nodes it hears of listen: {type(e).__name__}: {e}")
     if run_id is not None:
         dht.run_coroutine(_blacklist_nodes_that_answer_junk)
     return dht

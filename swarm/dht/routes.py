@@ -17,12 +17,13 @@ itself, this costs one small call for each node met, and the connection it would
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import msgpack
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_logger
 
@@ -37,6 +38,7 @@ logger = get_logger(__name__)
 ADDRESSES = "swarm.dht.addresses"  # the handler's name on p2pd
 MAX_ASKED = 20  # peer ids one request may ask about (hivemind's answers name at most its bucket size, 20)
 ASK_TIMEOUT_S = 3.0  # seconds a node may take to answer where a peer is
+OWN_ADDRESSES_TTL_S = 30.0  # seconds a node's answer of its own addresses is reused
 JOIN_WALK_TIMEOUT_S = 30.0  # seconds the walk to a node's own id may take once it can reach by address
 MAX_INTRODUCERS = 65536  # peer ids remembered with the node that named them
 MAX_REPLY_BYTES = (MAX_ASKED + 1) * (64 + MAX_MADDRS * (MAX_MADDR_CHARS + 8))
@@ -46,9 +48,9 @@ class Routes:
     """One DHT node's way to the nodes it hears of: who named each peer id, and where each peer said it
     listens. Lives in the DHT process, beside the node."""
 
-    def __init__(self, node: DHTNode, own_maddrs: Sequence[str]):
+    def __init__(self, node: DHTNode):
         self.node, self.p2p = node, node.protocol.p2p
-        self.own_maddrs = list(own_maddrs)[:MAX_MADDRS]
+        self._own: Tuple[float, List[str]] = (-OWN_ADDRESSES_TTL_S, [])  # (monotonic time asked, addresses)
         self.book = AddressBook()
         self.dialer = Dialer(self.p2p, self.book)
         self.introducers: "OrderedDict[PeerID, PeerID]" = OrderedDict()
@@ -112,8 +114,22 @@ class Routes:
             told = await asyncio.gather(*(self.ask(p, []) for p in missing))
             self.book.learn({p.to_base58(): own.get(p.to_base58(), []) for p, own in zip(missing, told)})
         reply = {p.to_base58(): self.book.get(p.to_base58()) for p in known}
-        reply[self.p2p.peer_id.to_base58()] = self.own_maddrs
+        reply[self.p2p.peer_id.to_base58()] = await self.own_maddrs()
         return runtime_pb2.ExpertResponse(metadata=msgpack.packb(reply))
+
+    async def own_maddrs(self) -> List[str]:
+        """Where this node listens, as p2pd tells it (asked again after ``OWN_ADDRESSES_TTL_S``): none yet for a
+        node that is reachable only through a relay it has not reserved."""
+        asked_at, own = self._own
+        if time.monotonic() - asked_at >= OWN_ADDRESSES_TTL_S:
+            try:
+                visible = await asyncio.wait_for(self.p2p.get_visible_maddrs(latest=True), ASK_TIMEOUT_S)
+                own = announceable([str(maddr) for maddr in visible], listens_on_any=False)
+            except Exception as e:  # no address yet, or p2pd is busy: answer none this time
+                logger.debug(f"p2pd named no address of this node: {type(e).__name__}: {e}")
+                own = []
+            self._own = (time.monotonic(), own)
+        return own
 
 
 def _parse_reply(reply: Any) -> Dict[str, List[str]]:
@@ -137,9 +153,7 @@ def routes_of(node: DHTNode) -> Optional[Routes]:
 async def reach_nodes_by_address(_dht: Any, node: DHTNode) -> None:
     """Runs once in the DHT process (through ``dht.run_coroutine``): serve ``ADDRESSES``, and make every lookup
     call of ``node`` reach its peer first and remember who its answer named."""
-    p2p: P2P = node.protocol.p2p
-    own = announceable([str(maddr) for maddr in await p2p.get_visible_maddrs(latest=True)], listens_on_any=False)
-    routes = _ROUTES[id(node)] = Routes(node, own)
+    routes = _ROUTES[id(node)] = Routes(node)
     await routes.serve()
 
     def reaching(call_find):
