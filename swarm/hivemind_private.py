@@ -21,6 +21,7 @@ from hivemind.compression.base import CompressionBase
 from hivemind.dht.protocol import DHTProtocol
 from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.p2pclient import Client as DaemonClient
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.multiaddr import Multiaddr
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "PRIVATE_ATTRIBUTES",
     "missing_private_attributes",
     "daemon_connect",
+    "wrap_rsa_key",
     "register_decoder",
     "wrap_dht_protocol",
     "wrap_join_request",
@@ -74,6 +76,7 @@ PRIVATE_ATTRIBUTES: Tuple[PrivateAttribute, ...] = (
     PrivateAttribute(DecentralizedAverager, "_shutdown", ("timeout",)),
     PrivateAttribute(DecentralizedAverager, "_get_current_state_from_host_process", ()),
     PrivateAttribute(ServicerBase, "_get_handle_name", ("namespace", "method_name")),
+    PrivateAttribute(RSAPrivateKey, "_private_key", instance=True),
 )
 
 
@@ -93,6 +96,14 @@ def missing_private_attributes(attribute: PrivateAttribute, obj: Any = None) -> 
 async def daemon_connect(p2p: P2P, peer_id: PeerID, maddrs: Sequence[Multiaddr]) -> None:
     """Make ``p2p``'s daemon connect to ``peer_id`` at ``maddrs`` (hivemind's ``P2P`` has no public connect)."""
     await p2p._client.connect(peer_id, list(maddrs))
+
+
+def wrap_rsa_key(der: bytes) -> RSAPrivateKey:
+    """hivemind's ``RSAPrivateKey`` holding the key ``der`` (PKCS#1 DER): its constructor only generates keys, and
+    only its unpickling, whose state names the private ``_private_key``, loads one."""
+    wrapped = RSAPrivateKey.__new__(RSAPrivateKey)
+    wrapped.__setstate__({"_private_key": der})
+    return wrapped
 
 
 def register_decoder(name: str, codec: CompressionBase) -> None:

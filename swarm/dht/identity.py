@@ -27,6 +27,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
+from swarm.hivemind_private import wrap_rsa_key
+
 __all__ = ["Identity", "load_or_create_identity", "key_file_for_start", "owner_subkey", "peer_id_of", "MIN_RSA_BITS"]
 
 MIN_RSA_BITS = 2048  # libp2p refuses smaller RSA keys
@@ -131,16 +133,10 @@ def _parse_identity(data: bytes) -> RSAPrivateKey:
 
 
 def _wrap(key: rsa.RSAPrivateKey) -> RSAPrivateKey:
-    """hivemind's RSAPrivateKey only generates keys; its unpickling path loads one from DER bytes."""
-    wrapped = RSAPrivateKey.__new__(RSAPrivateKey)
-    wrapped.__setstate__(
-        {
-            "_private_key": key.private_bytes(
-                serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
-            )
-        }
+    der = key.private_bytes(
+        serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
     )
-    return wrapped
+    return wrap_rsa_key(der)
 
 
 def _serialized_new_identity() -> bytes:
