@@ -227,10 +227,13 @@ async def _store_beside(node: DHTNode, key: str, subkey: Any, value: Any, expira
         record = dataclasses.replace(record, value=validator.sign_value(record))
     stored: List[bool] = []
     calls = []
+    nearest = found.get(beside, {})
     routes = routes_of(node)
-    for node_id, peer_id in found.get(beside, {}).items():
-        if routes is not None and node_id != node.node_id:
-            await routes.reach(peer_id)
+    if routes is not None:  # the walk names nodes it has not called: reach them all at once, not one after another
+        await asyncio.gather(
+            *(routes.reach(peer_id) for node_id, peer_id in nearest.items() if node_id != node.node_id)
+        )
+    for node_id, peer_id in nearest.items():
         if node_id == node.node_id:
             valid = validator is None or validator.validate(record)
             stored.append(bool(valid) and protocol.storage.store(key_id, record.value, expiration_time, subkey=subkey))
